@@ -1,0 +1,233 @@
+"""Materialize the tensors of a Case, deterministically.
+
+Every value is drawn in float64 on the CPU from a generator seeded by ``case.seed`` (so the numbers do not
+depend on the device), rounded once to the dtype it is handed to implementations in, and kept in float64
+after that rounding. The oracle therefore sees exactly the numbers every implementation sees.
+
+Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt) and the mixer's weights in the
+case's dtype; A, D, dt_bias and initial_states in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from harness.case import Case
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Pre-softplus mean of dt and the range of |A| per decay regime (see SPEC.md section 6).
+_DT_CENTER = {"none": -3.0, "mild": -3.0, "typical": -3.0, "strong": 0.5}
+_A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "strong": (30.0, 60.0)}
+
+CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight",
+                               "outproj_weight", "outproj_bias", "initial_states")
+
+
+def torch_dtype(case: Case) -> torch.dtype:
+    return TORCH_DTYPES[case.dtype]
+
+
+def seq_idx_rows(case: Case) -> Optional[torch.Tensor]:
+    """seq_idx (b, L) int32 from the case's segments, padding and start, or None."""
+    if case.segments is None:
+        return None
+    padding = case.padding or (0,) * case.batch
+    rows = []
+    for lengths, pad in zip(case.segments, padding):
+        ids = [case.seq_idx_start + i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad
+        rows.append(ids)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def cu_seqlens(case: Case) -> Optional[torch.Tensor]:
+    """cu_seqlens (nseq + 1,) int32 for batch 1 (padding tokens belong to no sequence)."""
+    if case.segments is None or case.batch != 1:
+        return None
+    bounds = [0]
+    for n in case.segments[0]:
+        bounds.append(bounds[-1] + n)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+@dataclass
+class Inputs:
+    """The tensors of one Case.
+
+    ``values``: name -> float64 tensor on ``device`` holding exactly the numbers implementations get
+    (already rounded through their dtype). ``dtypes``: name -> the dtype implementations get it in.
+    ``grad_outputs``: "y" and, when asked, "final_states" -> float64 cotangents (rounded like y / fp32).
+    ``seq_idx`` / ``cu_seqlens`` are int32 (or None).
+    """
+
+    case: Case
+    device: torch.device
+    values: dict
+    dtypes: dict
+    grad_outputs: dict
+    seq_idx: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    wide_order: tuple = field(default=())
+
+    @property
+    def differentiable(self) -> tuple:
+        names = CHUNK_SCAN_DIFFERENTIABLE if self.case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
+        return tuple(n for n in names if n in self.values)
+
+    def float64(self, requires_grad: bool = False) -> dict:
+        """Fresh float64 leaves (contiguous), optionally requiring grad, for the oracle."""
+        out = {}
+        for name, value in self.values.items():
+            t = value.clone()
+            if requires_grad and name in self.differentiable:
+                t.requires_grad_(True)
+            out[name] = t
+        return out
+
+    def native(self, requires_grad: bool = False, dtypes: Optional[dict] = None) -> dict:
+        """Tensors in the dtypes implementations get, in the case's layout, on the device.
+
+        With the "strided" layout x, B, C, dt, z are views of one wide tensor; differentiate with
+        ``torch.autograd.grad(outputs, [tensors[n] for n in names])``, which works for views too.
+        ``dtypes`` overrides the dtype of some inputs.
+        """
+        want = dict(self.dtypes, **(dtypes or {}))
+        tensors = {}
+        if self.wide_order:
+            # One wide (b, L, W) tensor, sliced: the non-contiguous layout real mixers hand to the scan.
+            case = self.case
+            parts = [self.values[n].reshape(case.batch, case.seqlen, -1) for n in self.wide_order]
+            wide = torch.cat(parts, dim=-1).to(want[self.wide_order[0]])
+            if requires_grad:
+                wide.requires_grad_(True)
+            offset = 0
+            for name, part in zip(self.wide_order, parts):
+                width, rest = part.shape[-1], self.values[name].shape[2:]
+                piece = wide[..., offset:offset + width]
+                tensors[name] = piece.unflatten(-1, rest) if len(rest) > 1 else piece
+                offset += width
+        for name, value in self.values.items():
+            if name in tensors:
+                continue
+            t = value.to(want[name])
+            if requires_grad and name in self.differentiable:
+                t.requires_grad_(True)
+            tensors[name] = t
+        return tensors
+
+
+def materialize(case: Case, device="cpu") -> Inputs:
+    """Build the inputs of ``case`` on ``device``. Deterministic in (case, device)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(case.seed)
+    act = torch_dtype(case)
+    r = case.regime
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * std + mean
+
+    def uniform(*shape, lo=0.0, hi=1.0):
+        return torch.rand(*shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo
+
+    def values(*shape):
+        if r.values == "integer":
+            return torch.randint(-2, 3, shape, generator=gen).to(torch.float64)
+        return normal(*shape) * r.scale
+
+    b, L, h, p, g, n = case.batch, case.seqlen, case.nheads, case.headdim, case.ngroups, case.dstate
+    vals, dtypes = {}, {}
+
+    def put(name, tensor, dtype):
+        # Round once through the dtype implementations get, keep float64.
+        vals[name] = tensor.to(dtype).to(torch.float64)
+        dtypes[name] = dtype
+
+    # A: per-head decay rate, negative.
+    lo, hi = _A_RANGE[r.decay]
+    A = -torch.exp(uniform(h, lo=math.log(lo), hi=math.log(hi)))
+    # dt: pre-activation values centred where the regime wants them.
+    center = _DT_CENTER[r.decay]
+    if case.dt_softplus:
+        dt_raw = normal(b, L, h, mean=center / 2, std=0.7)
+        dt_bias = normal(h, mean=center / 2, std=0.5)
+        if not case.has_dt_bias:
+            dt_raw = dt_raw + center / 2
+        if r.dt_large:
+            # Half the heads (at least one) above the softplus threshold 20, where softplus is the identity.
+            big = torch.arange(h) % 2 == 0
+            shift = torch.where(big, torch.tensor(22.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+            if case.has_dt_bias:
+                dt_bias = dt_bias + shift
+            else:
+                dt_raw = dt_raw + shift
+    else:
+        dt_raw = F.softplus(normal(b, L, h, mean=center, std=1.0))
+        dt_bias = normal(h, std=0.02)
+        if r.dt_large:
+            dt_raw = dt_raw + 22.0 * (torch.arange(h) % 2 == 0)
+
+    if case.entry == "chunk_scan":
+        put("x", values(b, L, h, p), act)
+        put("dt", dt_raw, act)
+        put("A", A, torch.float32)
+        put("B", values(b, L, g, n), act)
+        put("C", values(b, L, g, n), act)
+        if case.D == "head":
+            put("D", normal(h), torch.float32)
+        elif case.D == "channel":
+            put("D", normal(h, p), torch.float32)
+        if case.has_z:
+            put("z", values(b, L, h, p), act)
+        if case.has_dt_bias:
+            put("dt_bias", dt_bias, torch.float32)
+        y_shape = (b, L, h, p)
+    else:
+        dim, conv_ch = case.dim, case.conv_channels
+        zx0 = values(b, L, 2 * case.d_nonssm)
+        z = values(b, L, dim)
+        xBC = values(b, L, conv_ch)
+        put("zxbcdt", torch.cat([zx0, z, xBC, dt_raw], dim=-1), act)
+        put("conv1d_weight", normal(conv_ch, case.conv_width, std=1.0 / math.sqrt(case.conv_width)), act)
+        put("conv1d_bias", normal(conv_ch, std=0.1), act)
+        put("dt_bias", dt_bias, torch.float32)
+        put("A", A, torch.float32)
+        put("D", normal(h) if case.D == "head" else normal(h, p), torch.float32)
+        if case.rmsnorm:
+            put("rmsnorm_weight", 1.0 + normal(dim, std=0.2), act)
+        width = case.d_nonssm + dim
+        if case.out_dim is not None:
+            put("outproj_weight", normal(case.out_dim, width, std=1.0 / math.sqrt(width)), act)
+            if case.outproj_bias:
+                put("outproj_bias", normal(case.out_dim, std=0.1), act)
+        y_shape = (b, L, case.out_dim if case.out_dim is not None else width)
+    if case.initial_states:
+        put("initial_states", normal(b, h, p, n) * r.scale, torch.float32)
+
+    grad_outputs = {}
+    if case.backward:
+        grad_outputs["y"] = normal(*y_shape).to(act).to(torch.float64)
+        if case.final_state_grad:
+            grad_outputs["final_states"] = normal(b, h, p, n).to(torch.float32).to(torch.float64)
+
+    wide_order = ()
+    if r.layout == "strided" and case.entry == "chunk_scan":
+        wide_order = tuple(name for name in ("z", "x", "B", "C", "dt") if name in vals)
+
+    seq_idx = seq_idx_rows(case)
+    cu = cu_seqlens(case) if case.varlen_states else None
+    return Inputs(
+        case=case,
+        device=device,
+        values={k: v.to(device) for k, v in vals.items()},
+        dtypes=dtypes,
+        grad_outputs={k: v.to(device) for k, v in grad_outputs.items()},
+        seq_idx=seq_idx.to(device) if seq_idx is not None else None,
+        cu_seqlens=cu.to(device) if cu is not None else None,
+        wide_order=wide_order,
+    )

@@ -1,0 +1,83 @@
+"""The float64 truth: three independent evaluation orders of the SSD map, for both entry points.
+
+    ref.recurrent   token by token (the definition)           harness/oracle/recurrent.py
+    ref.quadratic   masked C.B^T over the whole sequence      harness/oracle/quadratic.py
+    ref.chunked     chunks + passed states (fast, vectorized) harness/oracle/chunked.py
+
+They share no code with any kernel they judge, nor with each other's scan. `evaluate` runs one on a Case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from harness.case import Case
+from harness.inputs import Inputs
+from harness.oracle import chunked, mixer, quadratic, recurrent
+from harness.oracle.result import STAGE_ORDER, Result
+
+SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.chunked": chunked.scan}
+MIXER_STYLE = {"ref.recurrent": "loop", "ref.quadratic": "vectorized", "ref.chunked": "vectorized"}
+ORACLES = tuple(SCANS)
+DEFAULT_ORACLE = "ref.chunked"
+
+
+@dataclass
+class Evaluation:
+    """Outputs of one evaluation, float64. ``outputs``: "y", "final_states", "varlen_states" (as present);
+    ``grads``: input name -> gradient (backward cases); ``stages``: stage name -> tensor."""
+
+    outputs: dict
+    grads: dict = field(default_factory=dict)
+    stages: dict = field(default_factory=dict)
+
+
+def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) -> Result:
+    """Run oracle ``name`` on float64 ``tensors`` (as made by Inputs.float64) for ``case``."""
+    scan = SCANS[name]
+    if case.entry == "chunk_scan":
+        return scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
+                    chunk_size=case.chunk_size, D=tensors.get("D"), z=tensors.get("z"),
+                    dt_bias=tensors.get("dt_bias"), dt_softplus=case.dt_softplus,
+                    dt_limit=case.dt_limit_or_default, initial_states=tensors.get("initial_states"),
+                    seq_idx=seq_idx)
+    return mixer.mixer(
+        scan, MIXER_STYLE[name], tensors["zxbcdt"], tensors["conv1d_weight"], tensors["conv1d_bias"],
+        tensors["dt_bias"], tensors["A"], tensors["D"], chunk_size=case.chunk_size, nheads=case.nheads,
+        headdim=case.headdim, ngroups=case.ngroups, dstate=case.dstate, d_nonssm=case.d_nonssm,
+        initial_states=tensors.get("initial_states"), seq_idx=seq_idx, dt_limit=case.dt_limit_or_default,
+        activation=case.activation, rmsnorm_weight=tensors.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
+        outproj_weight=tensors.get("outproj_weight"), outproj_bias=tensors.get("outproj_bias"),
+        norm_before_gate=case.norm_before_gate)
+
+
+def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluation:
+    """Evaluate oracle ``name`` on ``case``: outputs, stages, and (backward cases) input gradients."""
+    tensors = inputs.float64(requires_grad=case.backward)
+    with torch.set_grad_enabled(case.backward):
+        res = call(name, case, tensors, inputs.seq_idx)
+    outputs = {"y": res.y}
+    if case.return_final_states:
+        outputs["final_states"] = res.final_states
+    if case.varlen_states:
+        outputs["varlen_states"] = res.varlen_states
+    stages = dict(res.stages)
+    stages["y"] = res.y
+    grads = {}
+    if case.backward:
+        roots, cotangents = [res.y], [inputs.grad_outputs["y"]]
+        if case.final_state_grad:
+            roots.append(res.final_states)
+            cotangents.append(inputs.grad_outputs["final_states"])
+        names = inputs.differentiable
+        found = torch.autograd.grad(roots, [tensors[n] for n in names], cotangents, allow_unused=True)
+        grads = {n: (g if g is not None else torch.zeros_like(tensors[n])) for n, g in zip(names, found)}
+        outputs = {k: v.detach() for k, v in outputs.items()}
+        stages = {k: v.detach() for k, v in stages.items()}
+    return Evaluation(outputs=outputs, grads=grads, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
+
+
+__all__ = ["ORACLES", "DEFAULT_ORACLE", "Evaluation", "evaluate", "call", "Result", "STAGE_ORDER"]
