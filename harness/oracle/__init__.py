@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from harness.autodiff import differentiate
 from harness.case import Case
 from harness.inputs import Inputs
 from harness.oracle import chunked, mixer, quadratic, recurrent
@@ -68,13 +69,7 @@ def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluati
     stages["y"] = res.y
     grads = {}
     if case.backward:
-        roots, cotangents = [res.y], [inputs.grad_outputs["y"]]
-        if case.final_state_grad:
-            roots.append(res.final_states)
-            cotangents.append(inputs.grad_outputs["final_states"])
-        names = inputs.differentiable
-        found = torch.autograd.grad(roots, [tensors[n] for n in names], cotangents, allow_unused=True)
-        grads = {n: (g if g is not None else torch.zeros_like(tensors[n])) for n, g in zip(names, found)}
+        grads = differentiate(case, inputs, tensors, outputs)
         outputs = {k: v.detach() for k, v in outputs.items()}
         stages = {k: v.detach() for k, v in stages.items()}
     return Evaluation(outputs=outputs, grads=grads, stages={k: stages[k] for k in STAGE_ORDER if k in stages})

@@ -1,0 +1,101 @@
+"""What an implementation is to the harness: a name, its capabilities, and a forward function.
+
+An adapter subclasses `Implementation` and writes `forward(case, tensors, inputs)`, which calls the code under
+test and returns its outputs (and, when it can, stage intermediates in the layout of
+harness/oracle/result.py). The shared `run` does the rest: builds native tensors in the case's layout,
+differentiates for backward cases, and collects everything into `Outputs`. A case outside the capabilities is
+skipped with the reason (`Implementation.skip_reason`), never reshaped to fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from harness.autodiff import differentiate
+from harness.case import Case, features
+from harness.inputs import Inputs
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """entries: entry points it runs; dtypes / devices ("cpu", "cuda"); backward: has gradients;
+    unsupported: case features (harness.case.features names) it cannot express; stages: the stage
+    intermediates it exposes; limits: extra checks, each ``case -> reason or None``."""
+
+    entries: frozenset = frozenset({"chunk_scan"})
+    dtypes: frozenset = frozenset({"float32", "float16", "bfloat16"})
+    devices: frozenset = frozenset({"cpu", "cuda"})
+    backward: bool = True
+    unsupported: frozenset = frozenset()
+    stages: tuple = ()
+    limits: tuple = ()
+
+
+@dataclass
+class Outputs:
+    """outputs: "y", "final_states", "varlen_states" (as the case asks); grads: input name -> gradient;
+    stages: stage name -> tensor; notes: facts a verdict must repeat (e.g. a CPU stand-in was used)."""
+
+    outputs: dict
+    grads: dict = field(default_factory=dict)
+    stages: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+class Implementation:
+    """Subclass and set ``name``, ``description``, ``capabilities``; write ``forward``."""
+
+    name: str = ""
+    description: str = ""
+    capabilities: Capabilities = Capabilities()
+
+    def unavailable(self) -> Optional[str]:
+        """Why this implementation cannot run in this environment (missing package...), or None."""
+        return None
+
+    def skip_reason(self, case: Case, device: str) -> Optional[str]:
+        """Why ``case`` is outside this implementation's capabilities on ``device``, or None."""
+        why = self.unavailable()
+        if why:
+            return why
+        cap = self.capabilities
+        kind = torch.device(device).type
+        if case.entry not in cap.entries:
+            return f"{self.name} does not implement entry point {case.entry!r}"
+        if case.dtype not in cap.dtypes:
+            return f"{self.name} does not run {case.dtype} on this runtime"
+        if kind not in cap.devices:
+            return f"{self.name} needs a {'GPU' if 'cuda' in cap.devices else 'CPU'} (device {kind!r} given)"
+        if case.backward and not cap.backward:
+            return f"{self.name} has no backward"
+        missing = sorted(features(case) & cap.unsupported)
+        if missing:
+            return f"{self.name} cannot express: {', '.join(missing)}"
+        for limit in cap.limits:
+            why = limit(case)
+            if why:
+                return why
+        return None
+
+    def forward(self, case: Case, tensors: dict, inputs: Inputs) -> Outputs:
+        """Call the code under test on ``tensors`` (native dtypes, the case's layout)."""
+        raise NotImplementedError(f"{type(self).__name__} must define forward")
+
+    def run(self, case: Case, inputs: Inputs) -> Outputs:
+        """Forward (and for backward cases, gradients of every differentiable input)."""
+        tensors = inputs.native(requires_grad=case.backward)
+        with torch.set_grad_enabled(case.backward):
+            out = self.forward(case, tensors, inputs)
+        if case.backward:
+            out.grads = differentiate(case, inputs, tensors, out.outputs)
+            out.outputs = {k: v.detach() for k, v in out.outputs.items()}
+            out.stages = {k: v.detach() for k, v in out.stages.items()}
+        return out
+
+
+def limit(check: Callable[[Case], bool], reason: str) -> Callable[[Case], Optional[str]]:
+    """A capability limit: ``reason`` when ``check(case)`` is true."""
+    return lambda case: reason if check(case) else None

@@ -1,0 +1,35 @@
+"""The three float64 oracles as implementations (ref.recurrent, ref.quadratic, ref.chunked).
+
+They take every case: any dtype (inputs are the rounded values, computed in float64), both entry points,
+every feature, every stage. Registered so fuzz can set one oracle against another.
+"""
+
+from __future__ import annotations
+
+from harness import oracle
+from harness.case import Case
+from harness.impls import register
+from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.inputs import Inputs
+
+DESCRIPTIONS = {
+    "ref.recurrent": "float64 oracle, token by token (the definition)",
+    "ref.quadratic": "float64 oracle, masked C.B^T over the whole sequence",
+    "ref.chunked": "float64 oracle, chunked with passed states (vectorized)",
+}
+
+
+class OracleImplementation(Implementation):
+    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}), stages=oracle.STAGE_ORDER)
+
+    def __init__(self, name: str):
+        self.name = name
+        self.description = DESCRIPTIONS[name]
+
+    def run(self, case: Case, inputs: Inputs) -> Outputs:
+        ev = oracle.evaluate(case, inputs, self.name)
+        return Outputs(outputs=ev.outputs, grads=ev.grads, stages=ev.stages)
+
+
+for _name in oracle.ORACLES:
+    register(OracleImplementation(_name))

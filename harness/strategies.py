@@ -1,0 +1,153 @@
+"""Hypothesis strategies for Cases, built from small pieces (one concern each) and composed.
+
+Only small descriptions are drawn (sizes, flags, a seed); tensors come from `harness.inputs`. Dependent
+choices are drawn in order (ngroups from the divisors of nheads, segment lengths that sum to seqlen), so every
+drawn Case is valid and shrinking moves toward the simplest one (Case() defaults are the shrink targets).
+
+    cases(entry=..., dtypes=..., max_seqlen=..., backward=...)   the strategy most callers want
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from hypothesis import strategies as st
+
+from harness.case import Case, Regime
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How large drawn cases may get. The defaults keep the float64 oracles (and the Triton interpreter)
+    fast on a CPU."""
+
+    max_batch: int = 2
+    max_seqlen: int = 40
+    max_nheads: int = 6
+    max_headdim: int = 8
+    max_dstate: int = 8
+    chunk_sizes: tuple = (4, 8, 16)
+    max_width: int = 4
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def shapes(draw, bounds: Bounds = Bounds()) -> dict:
+    """batch, seqlen, nheads, ngroups (a divisor of nheads), headdim, dstate, chunk_size."""
+    nheads = draw(st.integers(1, bounds.max_nheads))
+    return dict(
+        batch=draw(st.integers(1, bounds.max_batch)),
+        seqlen=draw(st.integers(1, bounds.max_seqlen)),
+        nheads=nheads,
+        ngroups=draw(st.sampled_from(divisors(nheads))),
+        headdim=draw(st.integers(1, bounds.max_headdim)),
+        dstate=draw(st.integers(1, bounds.max_dstate)),
+        chunk_size=draw(st.sampled_from(bounds.chunk_sizes)),
+    )
+
+
+@st.composite
+def lengths_summing_to(draw, total: int, max_parts: int = 4) -> tuple:
+    """Positive integers summing to ``total`` (cut points drawn, sorted)."""
+    if total <= 0:
+        return ()
+    parts = draw(st.integers(1, min(max_parts, total)))
+    cuts = sorted(draw(st.sets(st.integers(1, total - 1), min_size=parts - 1, max_size=parts - 1))) \
+        if parts > 1 else []
+    bounds = [0, *cuts, total]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+@st.composite
+def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_padding: bool = True) -> dict:
+    """segments / padding / seq_idx_start, or nothing. Boundaries land mid-chunk and on chunk edges."""
+    if not draw(st.booleans()):
+        return {}
+    segments, padding = [], []
+    for _ in range(batch):
+        pad = draw(st.integers(0, min(3, seqlen - 1))) if allow_padding and seqlen > 1 and draw(st.booleans()) else 0
+        if draw(st.booleans()) and seqlen - pad >= chunk_size:
+            # boundaries exactly on chunk edges
+            whole = (seqlen - pad) // chunk_size
+            lens = [chunk_size] * whole
+            lens[-1] += (seqlen - pad) - whole * chunk_size
+            segments.append(tuple(lens))
+        else:
+            segments.append(draw(lengths_summing_to(seqlen - pad)))
+        padding.append(pad)
+    out = dict(segments=tuple(segments))
+    if any(padding):
+        out["padding"] = tuple(padding)
+    if draw(st.booleans()):
+        out["seq_idx_start"] = draw(st.integers(1, 2))
+    return out
+
+
+@st.composite
+def regimes(draw, layouts: Sequence[str] = ("contiguous", "strided")) -> Regime:
+    return Regime(
+        decay=draw(st.sampled_from(("typical", "none", "mild", "strong"))),
+        dt_large=draw(st.booleans()),
+        values=draw(st.sampled_from(("normal", "integer"))),
+        scale=draw(st.sampled_from((1.0, 0.25, 4.0))),
+        layout=draw(st.sampled_from(tuple(layouts))),
+    )
+
+
+@st.composite
+def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str) -> dict:
+    """The optional features of the scan (D, z, dt_bias, softplus, dt_limit, initial states, seq_idx)."""
+    out = dict(D=draw(st.sampled_from(("head", "none", "channel") if entry == "chunk_scan" else ("head", "channel"))))
+    if entry == "chunk_scan":
+        out["has_z"] = draw(st.booleans())
+        out["has_dt_bias"] = draw(st.booleans())
+        out["dt_softplus"] = draw(st.booleans())
+    if draw(st.booleans()):
+        lo = draw(st.sampled_from((0.0, 0.001, 0.01)))
+        out["dt_limit"] = (lo, draw(st.sampled_from((0.05, 0.1, 1.0, math.inf))))
+    out["initial_states"] = draw(st.booleans())
+    out.update(draw(sequence_layout(batch, seqlen, chunk_size)))
+    out["return_final_states"] = draw(st.booleans())
+    return out
+
+
+@st.composite
+def mixer_features(draw, nheads: int, headdim: int) -> dict:
+    """The split-conv1d mixer's own features (conv width, activation, SwiGLU branch, norm, out_proj)."""
+    out = dict(conv_width=draw(st.integers(1, 4)), activation=draw(st.sampled_from(("silu", "identity"))))
+    out["rmsnorm"] = draw(st.booleans())
+    if out["rmsnorm"]:
+        out["norm_before_gate"] = draw(st.booleans())
+    out["d_nonssm"] = draw(st.sampled_from((0, 0, 2, 3)))
+    if draw(st.booleans()):
+        out["out_dim"] = draw(st.integers(1, 8))
+        out["outproj_bias"] = draw(st.booleans())
+    return out
+
+
+@st.composite
+def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bounds(),
+          backward: Optional[bool] = None, layouts: Sequence[str] = ("contiguous", "strided"),
+          varlen: bool = True) -> Case:
+    """A valid Case. ``entry``/``backward`` None: drawn. ``dtypes``: the dtypes allowed."""
+    entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))
+    shape = draw(shapes(bounds))
+    fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
+    fields.update(draw(scan_features(shape["batch"], shape["seqlen"], shape["chunk_size"], entry)))
+    if entry == "split_conv1d":
+        fields.update(draw(mixer_features(shape["nheads"], shape["headdim"])))
+    fields["regime"] = draw(regimes(layouts))
+    do_backward = draw(st.booleans()) if backward is None else backward
+    if do_backward:
+        fields["pass_"] = "backward"
+        fields["final_state_grad"] = fields["return_final_states"] and draw(st.booleans())
+    elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
+          and draw(st.booleans())):
+        fields["varlen_states"] = True
+    fields["seed"] = draw(st.integers(0, 2**16))
+    return Case(**fields)
