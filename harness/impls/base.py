@@ -80,15 +80,16 @@ class Implementation:
                 return why
         return None
 
-    def forward(self, case: Case, tensors: dict, inputs: Inputs) -> Outputs:
-        """Call the code under test on ``tensors`` (native dtypes, the case's layout)."""
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
+        """Call the code under test on ``tensors`` (native dtypes, the case's layout). When ``want_stages``,
+        also fill ``Outputs.stages`` with whatever stage intermediates it can expose (oracle layout)."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
 
-    def run(self, case: Case, inputs: Inputs) -> Outputs:
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
         """Forward (and for backward cases, gradients of every differentiable input)."""
         tensors = inputs.native(requires_grad=case.backward)
         with torch.set_grad_enabled(case.backward):
-            out = self.forward(case, tensors, inputs)
+            out = self.forward(case, tensors, inputs, want_stages)
         if case.backward:
             out.grads = differentiate(case, inputs, tensors, out.outputs)
             out.outputs = {k: v.detach() for k, v in out.outputs.items()}

@@ -26,7 +26,7 @@ class OracleImplementation(Implementation):
         self.name = name
         self.description = DESCRIPTIONS[name]
 
-    def run(self, case: Case, inputs: Inputs) -> Outputs:
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
         ev = oracle.evaluate(case, inputs, self.name)
         return Outputs(outputs=ev.outputs, grads=ev.grads, stages=ev.stages)
 
