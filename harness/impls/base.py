@@ -83,7 +83,7 @@ class Implementation:
     def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
         """Call the code under test on ``tensors`` (native dtypes, the case's layout). When ``want_stages``,
         also fill ``Outputs.stages`` with whatever stage intermediates it can expose (oracle layout)."""
-        raise NotImplementedError(f"{type(self).__name__} must define forward")
+        raise TypeError(f"{type(self).__name__} must define forward() or run()")
 
     def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
         """Forward (and for backward cases, gradients of every differentiable input)."""
