@@ -17,5 +17,10 @@ def differentiate(case: Case, inputs: Inputs, tensors: dict, outputs: dict) -> d
         roots.append(outputs["final_states"])
         cotangents.append(inputs.grad_outputs["final_states"].to(outputs["final_states"].dtype))
     names = [n for n in inputs.differentiable if n in tensors and tensors[n].requires_grad]
-    found = torch.autograd.grad(roots, [tensors[n] for n in names], cotangents, allow_unused=True)
+    # An output that is a constant (e.g. final_states after a padding tail is exactly zero) adds nothing.
+    live = [(r, c) for r, c in zip(roots, cotangents) if r.requires_grad]
+    if not live:
+        return {n: torch.zeros_like(tensors[n]) for n in names}
+    found = torch.autograd.grad([r for r, _ in live], [tensors[n] for n in names], [c for _, c in live],
+                                allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(tensors[n])) for n, g in zip(names, found)}

@@ -30,17 +30,26 @@ def cmd_list(args) -> int:
 def cmd_selfcheck(args) -> int:
     from harness import selfcheck
 
-    table = Table(title=f"oracle self-check: each oracle against ref.recurrent (tolerance {selfcheck.TOLERANCE:g})")
-    for col in ("case", "oracle", "worst quantity", "relative difference", "ok"):
+    table = Table(title=f"oracle self-check: each oracle against ref.recurrent "
+                        f"(rtol {selfcheck.RTOL:g}, atol {selfcheck.ATOL:g})")
+    for col in ("case", "oracle", "worst quantity", "relative difference", "of tolerance", "ok"):
         table.add_column(col)
     rows = selfcheck.run(device=args.device)
     for row in rows:
-        table.add_row(row.case.describe(), row.oracle, row.worst_name, f"{row.worst:.2e}",
+        table.add_row(row.case.describe(), row.oracle, row.worst_name, f"{row.worst_relative:.2e}", f"{row.worst:.2g}",
                       "[green]yes[/]" if row.ok else "[red]NO[/]")
     console.print(table)
     bad = [r for r in rows if not r.ok]
     console.print(f"{len(rows) - len(bad)}/{len(rows)} comparisons within tolerance")
     return 1 if bad else 0
+
+
+def cmd_case(args) -> int:
+    from harness.case import Case
+
+    for path in args.paths:
+        console.print(f"{path}: {Case.load(path).describe()}", highlight=False)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("selfcheck", help="the three float64 oracles against each other")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_selfcheck)
+    p = sub.add_parser("case", help="validate case files and print each one's one-line description")
+    p.add_argument("paths", nargs="+", metavar="CASE.json")
+    p.set_defaults(func=cmd_case)
     p = sub.add_parser("demo", help="the built-in default job (README quick start)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_selfcheck)
@@ -58,9 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from harness import runtime
+    from harness.case import CaseError
+
+    runtime.configure()
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CaseError as err:
+        # Bad input is one line naming the field, never a traceback.
+        print(f"ssdiff: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -60,19 +60,26 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     cs_g = cs.reshape(b, c, Q, g, r)
     dx = d_c.reshape(b, c, Q, g, r)[..., None] * x_c                        # (b, c, Q, g, r, p)
 
+    # Decay between tokens i >= j of a chunk as a direct sum over (j, i] — not a difference of cumsums,
+    # which leaves rounding residue (and gradient residue) where the true decay is exactly exp(0) or exp(-1e3).
+    dA_g = dA_c.reshape(b, c, Q, g, r).permute(0, 1, 3, 4, 2)                 # (b, c, g, r, Q)
+    strictly_below = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=x.device), diagonal=-1)
+    terms = torch.where(strictly_below, dA_g[..., :, None].expand(*dA_g.shape, Q), torch.zeros((), dtype=x.dtype,
+                                                                                              device=x.device))
+    seg = torch.cumsum(terms, dim=-2)                                        # seg[i, j] = sum_{j<k<=i} dA_k
+
     # Intra-chunk (diagonal blocks).
     CB = torch.einsum("bcign,bcjgn->bcgij", C_c, B_c)                       # (b, c, g, Q, Q)
     same = (seq_c[:, :, :, None] == seq_c[:, :, None, :]) & real_c[:, :, :, None] & real_c[:, :, None, :]
     causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=x.device))
     allowed = (same & causal)[:, :, None, None]                              # (b, c, 1, 1, i, j)
-    seg = cs_g.permute(0, 1, 3, 4, 2)[..., :, None] - cs_g.permute(0, 1, 3, 4, 2)[..., None, :]  # (b,c,g,r,i,j)
     decay = torch.exp(torch.where(allowed, seg, torch.full_like(seg, -math.inf)))
     y_diag = torch.einsum("bcgij,bcgrij,bcjgrp->bcigrp", CB, decay, dx)
 
     # Each chunk's own end state: tokens of the same sequence as the chunk's last token.
     last_seq = seq_c[:, :, -1]                                               # (b, c)
     own = (seq_c == last_seq[:, :, None]) & real_c                           # (b, c, Q)
-    to_end = torch.exp(cs_g[:, :, -1:] - cs_g) * own[..., None, None]        # (b, c, Q, g, r)
+    to_end = torch.exp(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * own[..., None, None]   # (b, c, Q, g, r)
     chunk_states = torch.einsum("bcjgr,bcjgrp,bcjgn->bcgrpn", to_end, dx, B_c)  # (b, c, g, r, p, n)
 
     # Carry states across chunks. A state survives chunk k iff the sequence does not change in it.
@@ -107,7 +114,7 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
 
     varlen = None
     if has_seq_idx and b == 1:
-        varlen = _sequence_end_states(seq[0], d[0], dA_c[0], cs_g[0], dx[0], B_c[0], passed[0], prev_last[0], Q, L)
+        varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], dx[0], B_c[0], passed[0], prev_last[0], Q, L)
 
     if D is not None:
         y = y + (D[:, None] if D.dim() == 1 else D) * x
@@ -118,14 +125,14 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     return Result(y=y, final_states=final, varlen_states=varlen, stages=stages)
 
 
-def _sequence_end_states(seq, d, dA_c, cs_g, dx, B_c, passed, prev_last, Q, L):
+def _sequence_end_states(seq, seg, cs_g, dx, B_c, passed, prev_last, Q, L):
     """The state after the last token of each sequence of one batch row: (nseq, h, p, n)."""
     ends = [t for t in range(L) if seq[t] >= 0 and (t == L - 1 or seq[t + 1] != seq[t])]
     states = []
     for t in ends:
         k, i = divmod(t, Q)
         members = (seq[k * Q:k * Q + i + 1] == seq[t])                     # tokens of this chunk up to t
-        w = torch.exp(cs_g[k, i:i + 1] - cs_g[k, :i + 1]) * members[:, None, None]   # (j, g, r)
+        w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * members[:, None, None]   # (j, g, r)
         state = torch.einsum("jgr,jgrp,jgn->grpn", w, dx[k, :i + 1], B_c[k, :i + 1])
         if seq[t] == prev_last[k]:
             state = state + torch.exp(cs_g[k, i])[..., None, None] * passed[k]

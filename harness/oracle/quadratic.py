@@ -48,8 +48,12 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     same = (seq[:, :, None] == seq[:, None, :]) & real[:, :, None] & real[:, None, :]
     causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
     mask = (same & causal)[:, None]                                         # (b, 1, t, s)
-    diff = cs.transpose(1, 2)[:, :, :, None] - cs.transpose(1, 2)[:, :, None, :]   # (b, h, t, s)
-    Lmask = torch.exp(torch.where(mask, diff, torch.full_like(diff, -math.inf)))
+    # log-decay from s to t as a direct sum over (s, t] (a cumsum difference leaves rounding residue where the
+    # true decay is exp(0), and its gradient then leaks into dA)
+    after = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(diagonal=-1)       # [r, s]: r > s
+    terms = torch.where(after, dA.transpose(1, 2)[..., :, None], torch.zeros((), dtype=x.dtype, device=x.device))
+    logdecay = torch.cumsum(terms, dim=-2)                                  # (b, h, t, s) = sum_{s<r<=t} dA_r
+    Lmask = torch.exp(torch.where(mask, logdecay, torch.full_like(logdecay, -math.inf)))
     scores = torch.einsum("bthn,bshn->bhts", Ch, Bh) * Lmask
     y = torch.einsum("bhts,bsh,bshp->bthp", scores, d, x)
 
@@ -63,7 +67,7 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
         if seq[row, t] < 0:
             return x.new_zeros(h, p, n)
         members = mask[row, 0, t]                                           # (s,) same sequence, s <= t
-        w = torch.exp(torch.where(members[:, None], cs[row, t][None] - cs[row], torch.full_like(cs[row], -math.inf)))
+        w = torch.exp(torch.where(members[:, None], logdecay[row, :, t].T, torch.full_like(cs[row], -math.inf)))
         state = torch.einsum("sh,sh,shp,shn->hpn", w, d[row], x[row], Bh[row])
         if initial_states is not None and bool(first_seq[row, t]):
             state = state + torch.exp(cs[row, t])[:, None, None] * initial_states[row]

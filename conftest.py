@@ -1,0 +1,54 @@
+"""pytest configuration for ssdiff: the runtime, hypothesis profiles, and the device option.
+
+Profiles (one place, selected by name):
+    dev      quick local runs (default)
+    ci       the CPU interpreter in CI: bounded, derandomized (chosen when CI=true)
+    gpu      a CUDA runner: more examples
+    nightly  many examples, targeting the largest errors
+Select with ``--hypothesis-profile NAME`` or ``SSDIFF_PROFILE=NAME``. ``--device cpu|cuda`` picks the device
+(default: cuda when available).
+"""
+
+from __future__ import annotations
+
+import os
+
+from harness import runtime
+
+# Before anything defines a Triton kernel: without a GPU, kernels run under the Triton interpreter.
+runtime.configure()
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                      HealthCheck.filter_too_much])
+settings.register_profile("dev", max_examples=20, **_common)
+settings.register_profile("ci", max_examples=50, derandomize=True, database=None, print_blob=True, **_common)
+settings.register_profile("gpu", max_examples=200, print_blob=True, **_common)
+settings.register_profile("nightly", max_examples=2000, print_blob=True,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+                          **_common)
+
+PROFILE = os.environ.get("SSDIFF_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")
+settings.load_profile(PROFILE)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=None, help="device to run implementations on: cpu or cuda "
+                                                   "(default: cuda when available, else cpu)")
+
+
+def pytest_report_header(config):
+    return (f"ssdiff: hypothesis profile {settings._current_profile}, device {_device(config)}, "
+            f"triton interpreter {'on' if runtime.interpreted() else 'off'}")
+
+
+def _device(config) -> str:
+    return config.getoption("--device") or runtime.default_device()
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> str:
+    """The device implementations run on (``--device``)."""
+    return _device(pytestconfig)
