@@ -1,0 +1,190 @@
+"""Delta debugging over the Case: smaller and plainer candidates of a case, and the greedy loop that keeps a
+step only while a predicate ("the same divergence persists") holds.
+
+This module knows nothing about verdicts: harness/minimize.py supplies the predicate. Every candidate is a
+valid Case (the Case constructor checks h % g, segment sums, ...; invalid candidates are never tried).
+Candidates come biggest-reduction first, so the loop spends its runs where they pay most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+from harness.case import Case, CaseError, features
+
+@dataclass
+class Step:
+    """One tried candidate: what it changed, the candidate, and whether the divergence persisted."""
+
+    change: str
+    case: Case
+    kept: bool
+
+
+@dataclass
+class Shrunk:
+    original: Case
+    minimal: Case
+    steps: list = field(default_factory=list)
+    runs: int = 0
+
+    @property
+    def kept(self) -> list:
+        return [s for s in self.steps if s.kept]
+
+    def irrelevant_features(self) -> list:
+        """Features of the original that the minimal case no longer has: the divergence did not need them."""
+        return sorted(features(self.original) - features(self.minimal))
+
+
+def _try(case: Case, change: str, **fields) -> Optional[tuple]:
+    try:
+        candidate = case.replace(**fields)
+    except (CaseError, TypeError, ValueError):
+        return None
+    if candidate == case:
+        return None
+    return change, candidate
+
+
+def _smaller(value: int, floor: int = 1) -> list:
+    """floor, then halves: the big jumps first."""
+    out = []
+    for v in (floor, value // 2, value - 1):
+        if floor <= v < value and v not in out:
+            out.append(v)
+    return out
+
+
+def _without_sequences(case: Case) -> dict:
+    return dict(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
+
+
+def _fit_segments(case: Case, seqlen: int) -> dict:
+    """Segments cut to a new seqlen (the same boundaries where they still fit, padding kept if it fits)."""
+    if case.segments is None:
+        return {}
+    segments, padding = [], []
+    for row, lengths in enumerate(case.segments):
+        pad = min((case.padding or (0,) * case.batch)[row], seqlen - 1)
+        room, kept = seqlen - pad, []
+        for n in lengths:
+            if room <= 0:
+                break
+            kept.append(min(n, room))
+            room -= kept[-1]
+        if room > 0:
+            kept[-1] += room
+        segments.append(tuple(kept))
+        padding.append(pad)
+    out = dict(segments=tuple(segments))
+    out["padding"] = tuple(padding) if any(padding) else None
+    return out
+
+
+def candidates(case: Case) -> Iterator[tuple]:
+    """(change, smaller Case) pairs, biggest reductions first; each is valid."""
+    tries = []
+    # sizes
+    if case.batch > 1:
+        rows = {}
+        if case.segments is not None:
+            rows = dict(segments=case.segments[:1], padding=None if case.padding is None else case.padding[:1])
+        tries.append(_try(case, "batch -> 1", batch=1, **rows))
+    for L in _smaller(case.seqlen):
+        tries.append(_try(case, f"seqlen {case.seqlen} -> {L}", seqlen=L, **_fit_segments(case, L)))
+        if case.segments is not None:
+            tries.append(_try(case, f"seqlen {case.seqlen} -> {L}, no seq_idx", seqlen=L, **_without_sequences(case)))
+    for h in _smaller(case.nheads):
+        for g in sorted({case.ngroups, 1, h} | {d for d in range(1, h + 1) if h % d == 0 and d <= case.ngroups}):
+            if h % g == 0:
+                tries.append(_try(case, f"nheads {case.nheads} -> {h} (ngroups {g})", nheads=h, ngroups=g))
+    for g in _smaller(case.ngroups):
+        tries.append(_try(case, f"ngroups {case.ngroups} -> {g}", ngroups=g))
+    for p in _smaller(case.headdim):
+        tries.append(_try(case, f"headdim {case.headdim} -> {p}", headdim=p))
+    for n in _smaller(case.dstate):
+        tries.append(_try(case, f"dstate {case.dstate} -> {n}", dstate=n))
+    q = case.chunk_size // 2
+    while q >= 1 and q >= case.chunk_size // 8:
+        tries.append(_try(case, f"chunk_size {case.chunk_size} -> {q}", chunk_size=q))
+        q //= 2
+    if case.entry == "split_conv1d":
+        for w in _smaller(case.conv_width):
+            tries.append(_try(case, f"conv width {case.conv_width} -> {w}", conv_width=w))
+        if case.out_dim is not None and case.out_dim > 1:
+            tries.append(_try(case, f"out_dim {case.out_dim} -> 1", out_dim=1))
+        if case.d_nonssm > 1:
+            tries.append(_try(case, f"d_nonssm {case.d_nonssm} -> 1", d_nonssm=1))
+    # features
+    if case.segments is not None:
+        tries.append(_try(case, "no seq_idx", **_without_sequences(case)))
+        if case.padding:
+            segs = tuple(row[:-1] + (row[-1] + pad,) for row, pad in zip(case.segments, case.padding))
+            tries.append(_try(case, "no padding", segments=segs, padding=None))
+        if case.seq_idx_start:
+            tries.append(_try(case, "seq_idx starts at 0", seq_idx_start=0))
+    off = [("initial_states", False, "no initial states"), ("has_z", False, "no z"),
+           ("dt_limit", None, "no dt_limit"), ("rmsnorm", False, "no rmsnorm"), ("d_nonssm", 0, "no SwiGLU branch"),
+           ("out_dim", None, "no out_proj"), ("outproj_bias", False, "no out_proj bias"),
+           ("varlen_states", False, "no varlen states"), ("final_state_grad", False, "no final-state gradient"),
+           ("has_dt_bias", False, "no dt_bias"), ("dt_softplus", False, "no softplus")]
+    for name, value, change in off:
+        extra = {"outproj_bias": False} if name == "out_dim" else {}
+        tries.append(_try(case, change, **{name: value}, **extra))
+    if case.backward:
+        tries.append(_try(case, "forward only", pass_="forward", final_state_grad=False))
+    tries.append(_try(case, "no final states", return_final_states=False, final_state_grad=False))
+    tries.append(_try(case, "D none" if case.entry == "chunk_scan" else "D per head",
+                      D="none" if case.entry == "chunk_scan" else "head"))
+    if case.D == "channel":
+        tries.append(_try(case, "D per head", D="head"))
+    if case.entry == "split_conv1d":
+        tries.append(_try(case, "activation identity", activation="identity"))
+        tries.append(_try(case, "norm before gate", norm_before_gate=True))
+    if case.dtype != "float32":
+        tries.append(_try(case, f"{case.dtype} -> float32", dtype="float32"))
+    # regime: plainer values
+    r = case.regime
+    for field_name, plain, change in (("layout", "contiguous", "contiguous inputs"), ("dt_large", False, "dt below 20"),
+                                      ("decay", "typical", "typical decay"), ("values", "integer", "integer values"),
+                                      ("scale", 1.0, "scale 1")):
+        if getattr(r, field_name) != plain:
+            tries.append(_try(case, change, regime=dataclasses.replace(r, **{field_name: plain})))
+    if case.seed != 0:
+        tries.append(_try(case, "seed -> 0", seed=0))
+    seen = set()
+    for item in tries:
+        if item is not None and item[1] not in seen:
+            seen.add(item[1])
+            yield item
+
+
+def shrink(case: Case, persists: Callable[[Case], bool], on_step: Optional[Callable[[Step], None]] = None,
+           max_runs: int = 400) -> Shrunk:
+    """Greedy delta debugging: take the first candidate that keeps ``persists`` true, start over from it; stop
+    when no candidate does (a local minimum) or after ``max_runs`` predicate runs."""
+    result = Shrunk(original=case, minimal=case)
+    tried = set()
+    progress = True
+    while progress and result.runs < max_runs:
+        progress = False
+        for change, candidate in candidates(result.minimal):
+            if candidate in tried:
+                continue
+            tried.add(candidate)
+            result.runs += 1
+            kept = bool(persists(candidate))
+            step = Step(change, candidate, kept)
+            result.steps.append(step)
+            if on_step:
+                on_step(step)
+            if kept:
+                result.minimal = candidate
+                progress = True
+                break
+            if result.runs >= max_runs:
+                break
+    return result
