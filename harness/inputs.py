@@ -122,11 +122,15 @@ class Inputs:
         return tensors
 
 
-def materialize(case: Case, device="cpu") -> Inputs:
-    """Build the inputs of ``case`` on ``device``. Deterministic in (case, device)."""
-    device = torch.device(device)
+def draw(case) -> tuple:
+    """The float64 values of every input (rounded once through its dtype), their dtypes, and the cotangents
+    of backward cases: (values, dtypes, grad_outputs), drawn on the CPU from ``case.seed``.
+
+    Self-contained on purpose (torch, math and this module's constants only; ``case`` may be any object with
+    the Case's attributes): repro.py files inline this very function, so a repro sees the numbers ssdiff saw.
+    """
     gen = torch.Generator().manual_seed(case.seed)
-    act = torch_dtype(case)
+    act = TORCH_DTYPES[case.dtype]
     r = case.regime
 
     def normal(*shape, std=1.0, mean=0.0):
@@ -214,6 +218,14 @@ def materialize(case: Case, device="cpu") -> Inputs:
         grad_outputs["y"] = normal(*y_shape).to(act).to(torch.float64)
         if case.final_state_grad:
             grad_outputs["final_states"] = normal(b, h, p, n).to(torch.float32).to(torch.float64)
+    return vals, dtypes, grad_outputs
+
+
+def materialize(case: Case, device="cpu") -> Inputs:
+    """Build the inputs of ``case`` on ``device``. Deterministic in (case, device)."""
+    device = torch.device(device)
+    vals, dtypes, grad_outputs = draw(case)
+    r = case.regime
 
     wide_order = ()
     if r.layout == "strided" and case.entry == "chunk_scan":
