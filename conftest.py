@@ -21,6 +21,9 @@ runtime.configure()
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
+# --ssdiff-report: an HTML report of the verdicts and divergences properties find (harness/report).
+pytest_plugins = ("harness.report.pytest_plugin",)
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                       HealthCheck.filter_too_much])
 settings.register_profile("dev", max_examples=20, **_common)

@@ -12,18 +12,52 @@ console = Console()
 
 
 def cmd_list(args) -> int:
-    from harness.impls import all_implementations
+    from harness import runtime, upstream
+    from harness.impls import all_implementations, get
+
+    runtime.configure()
+    out = Console(width=max(console.width, 132)) if not console.is_terminal else console
+    impls = list(all_implementations()) + [get(target) for target in args.impl or ()]
+    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "chunk_scan": "scan",
+             "split_conv1d": "mixer"}
+
+    def names(values, order):
+        return ", ".join(short.get(v, v) for v in order if v in values)
+
+    out.print(f"[bold]runtime[/]: {runtime.describe()}")
+    mamba, fla = upstream.mamba_ssm_problem(), upstream.fla_problem()
+    if mamba is None:
+        rel = upstream.mamba_ssm()
+        stand = (f"; CPU stand-ins (float64-checked) for {', '.join(sorted(rel.standins))}" if rel.standins else "")
+        out.print(f"[bold]mamba_ssm[/]: {rel.label} from {rel.location} (package __init__ not run){stand}")
+    else:
+        out.print(f"[bold]mamba_ssm[/]: not usable here: {mamba}")
+    out.print(f"[bold]fla[/]: {upstream.fla().label}" if fla is None else f"[bold]fla[/]: not usable here: {fla}")
 
     table = Table(title="ssdiff implementations")
-    for col in ("name", "entry points", "dtypes", "devices", "bwd", "available here", "what it is"):
-        table.add_column(col)
-    for impl in all_implementations():
-        cap = impl.capabilities
+    for col in ("name", "available here", "devices", "dtypes", "entry", "bwd", "stages"):
+        table.add_column(col, overflow="fold")
+    if args.verbose:
+        table.add_column("what it is", overflow="fold")
+    reasons = []
+    for impl in impls:
         why = impl.unavailable()
-        table.add_row(impl.name, ", ".join(sorted(cap.entries)), ", ".join(sorted(cap.dtypes)),
-                      ", ".join(sorted(cap.devices)), "yes" if cap.backward else "no",
-                      "yes" if why is None else f"no: {why}", impl.description)
-    console.print(table)
+        cap = impl.capabilities
+        if why is None:
+            here = "[green]yes[/]"
+        elif why.startswith("needs a GPU"):
+            here, _ = "[yellow]GPU only[/]", reasons.append((impl.name, why))
+        else:
+            here, _ = "[red]no[/]", reasons.append((impl.name, why))
+        row = [impl.name, here, names(cap.devices, ("cpu", "cuda")),
+               names(cap.dtypes, ("float32", "float16", "bfloat16")), names(cap.entries, ("chunk_scan", "split_conv1d")),
+               "yes" if cap.backward else "no", str(len(cap.stages)) if cap.stages else "-"]
+        if args.verbose:
+            row.append(impl.description)
+        table.add_row(*row)
+    out.print(table)
+    for name, why in reasons:
+        out.print(f"  {why}" if why.startswith(name) else f"  {name}: {why}", highlight=False)
     return 0
 
 
@@ -52,10 +86,184 @@ def cmd_case(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Render saved runs (fuzz output directories) as HTML pages and rebuild the index of runs."""
+    from harness.report import browser, render
+
+    if args.output and len(args.runs) != 1:
+        console.print("[red]ssdiff report: --output takes exactly one run directory[/]")
+        return 2
+    status, rendered = 0, 0
+    for run_dir in args.runs:
+        try:
+            page = render.render_run(run_dir, args.reports, name=args.name, output=args.output, index=False)
+        except render.RunError as err:
+            print(f"ssdiff report: {err}", file=sys.stderr)
+            status = 2
+            continue
+        rendered += 1
+        console.print(f"{run_dir} -> {page} ({page.stat().st_size / 1024:.0f} KB)", highlight=False)
+        if args.browser_check:
+            shot = page.with_name("screenshot.png")
+            check = browser.open_page(page, screenshot=shot)
+            errors, requests = check.console_errors, check.network_requests
+            console.print(f"  {check.version}: loaded in {check.load_ms:.0f} ms, {len(errors)} console errors, "
+                          f"{len(requests)} network requests, screenshot {shot}", highlight=False)
+            for line in errors + requests:
+                console.print(f"  {line}", highlight=False)
+            if errors or requests or not check.loaded:
+                status = max(status, 1)
+    if args.output is None and rendered:
+        console.print(f"index: {render.render_index(args.reports)}", highlight=False)
+    return status
+
+
+def cmd_fuzz(args) -> int:
+    """Fuzz an implementation against another (or the oracle); exit 1 on a divergence, 0 on none, 2 on bad usage.
+    `ssdiff demo` runs it on the built-in default target (DEMO below) with a short budget."""
+    import time
+
+    from rich.live import Live
+    from rich.text import Text
+
+    from harness.fuzz import FuzzConfig, Fuzzer, UsageError
+    from harness.strategies import Bounds
+
+    demo = args.command == "demo"
+    impl, against = (DEMO["impl"], DEMO["against"]) if demo else (args.impl, args.against)
+    max_time, max_examples = getattr(args, "max_time", None), getattr(args, "max_examples", None)
+    if max_time is None and max_examples is None:
+        max_time = DEMO["max_time"] if demo else 300.0
+    autotune = getattr(args, "autotune", "tuned")
+    if isinstance(autotune, str) and autotune.isdigit():
+        autotune = int(autotune)
+    bounds = None
+    sizes = {k: getattr(args, k, None) for k in ("max_batch", "max_seqlen", "max_nheads", "max_headdim", "max_dstate")}
+    chunk_sizes = getattr(args, "chunk_sizes", None)
+    if any(v is not None for v in sizes.values()) or chunk_sizes:
+        from harness import runtime
+        from harness.fuzz import GPU_BOUNDS
+
+        start = GPU_BOUNDS if (args.device or runtime.default_device()).startswith("cuda") else Bounds()
+        fields = {k: v for k, v in sizes.items() if v is not None}
+        if chunk_sizes:
+            fields["chunk_sizes"] = tuple(int(c) for c in chunk_sizes.split(","))
+        bounds = Bounds(**{**start.__dict__, **fields})
+    config = FuzzConfig(
+        impl=impl, against=against, max_time=max_time, max_examples=max_examples,
+        entry=getattr(args, "entry", None), pass_=getattr(args, "pass_", "mixed"),
+        dtypes=tuple(args.dtype.split(",")) if getattr(args, "dtype", None) else None, autotune=autotune,
+        device=args.device, out_dir=getattr(args, "out", None), isolate=getattr(args, "isolate", False),
+        timeout=getattr(args, "timeout", 300.0), keep_going=getattr(args, "keep_going", False),
+        seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False), bounds=bounds,
+        oracle=getattr(args, "oracle", None) or "ref.chunked")
+    try:
+        fuzzer = Fuzzer(config)
+    except UsageError as err:
+        print(f"ssdiff fuzz: {err}", file=sys.stderr)
+        return 2
+    err_console = Console(stderr=True)
+    against_text = config.against or f"the float64 oracle ({config.oracle})"
+    err_console.print(f"fuzz {config.impl} against {against_text} on {config.device} "
+                      f"({', '.join(config.dtypes)}; pass {config.pass_}; autotune {config.autotune}"
+                      f"{'; isolated' if config.isolate else ''}) -> {fuzzer.out_dir}", highlight=False,
+                      soft_wrap=True)
+    state = {"tried": 0, "skipped": 0, "elapsed": 0.0, "worst": {}, "divergences": 0}
+    last_print = [0.0]
+
+    def line() -> Text:
+        budget = []
+        if config.max_time is not None:
+            budget.append(f"{state['elapsed']:.0f}/{config.max_time:.0f} s")
+        if config.max_examples is not None:
+            budget.append(f"{state['tried']}/{config.max_examples} cases")
+        worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
+        return Text(f"cases {state['tried']} (skipped {state['skipped']}) | worst ratio to budget: {worst} | "
+                    f"divergences {state['divergences']} | {', '.join(budget)}")
+
+    class Line:
+        def __rich__(self):
+            return line()
+
+    def progress(update: dict):
+        state.update(update)
+        if not err_console.is_terminal and time.monotonic() - last_print[0] > 15:
+            last_print[0] = time.monotonic()
+            err_console.print(line(), highlight=False, soft_wrap=True)
+
+    fuzzer.progress = progress
+    if err_console.is_terminal:
+        with Live(Line(), console=err_console, refresh_per_second=2, transient=False):
+            report = fuzzer.run()
+    else:
+        report = fuzzer.run()
+        err_console.print(line(), highlight=False, soft_wrap=True)
+    for finding in report.findings:
+        console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
+                     f"{finding.cases_before + 1} cases judged)")
+        console.print(fuzzer.message(finding), highlight=False, markup=False, soft_wrap=True)
+        console.print(f"-> {finding.path}", highlight=False, soft_wrap=True)
+    worst = ", ".join(f"{d} {w['ratio']:.3g}x ({w['tensor']}, {w['side']})" for d, w in sorted(report.worst.items()))
+    console.print(f"{report.tried} cases judged, {report.skipped} skipped; stopped: {report.stopped}; "
+                  f"largest ratio to budget: {worst or 'none'}", highlight=False, soft_wrap=True)
+    verdict = (f"{len(report.findings)} divergence(s)" if report.findings else "no divergence")
+    console.print(f"{verdict}; output: {report.out_dir}/ (summary.json"
+                  f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
+                  soft_wrap=True)
+    return report.exit_code
+
+
+# The built-in default target of `ssdiff demo` (README quick start): the seed divergence (SPEC.md section 2).
+DEMO = {"impl": "mamba_ssm.split_conv1d_combined", "against": "mamba_ssm.split_conv1d_ref", "max_time": 120.0}
+
+
+def _add_fuzz_arguments(p, demo: bool = False):
+    from harness.case import ENTRY_POINTS
+    from harness.fuzz import PASSES
+    from harness.oracle import ORACLES
+
+    if not demo:
+        p.add_argument("--impl", required=True, metavar="NAME",
+                       help="the implementation to fuzz: a name from `ssdiff list`, or module:attr")
+        p.add_argument("--against", default=None, metavar="NAME",
+                       help="a second implementation to compare with (default: the float64 oracle)")
+    p.add_argument("--max-time", type=float, default=None, metavar="S",
+                   help=f"time budget in seconds (default {DEMO['max_time']:g} for demo, 300 for fuzz, unless "
+                        f"--max-examples is given)")
+    p.add_argument("--max-examples", type=int, default=None, metavar="N", help="example budget (cases judged)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default ssdiff-out/fuzz-<time>)")
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (reproducible search)")
+    if demo:
+        return
+    p.add_argument("--entry", choices=ENTRY_POINTS, default=None, help="entry point (default: every one both take)")
+    p.add_argument("--pass", dest="pass_", choices=PASSES, default="mixed",
+                   help="forward only, forward+backward (gradients), or mixed (drawn per case; default)")
+    p.add_argument("--dtype", default=None, metavar="D[,D]",
+                   help="dtypes, comma-separated (default: every dtype all sides run here)")
+    p.add_argument("--autotune", default="tuned", metavar="POLICY",
+                   help="autotune configs: tuned (default), an index N (config N %% count of every kernel), "
+                        "random (an index drawn per case), sweep (every config, every case)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run implementations in a child process: abort, segfault, a poisoned CUDA context and "
+                        "hangs become verdicts and the run goes on")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per run under --isolate")
+    p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
+    p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
+    p.add_argument("--oracle", choices=ORACLES, default=None, help="the float64 truth (default ref.chunked)")
+    for name in ("batch", "seqlen", "nheads", "headdim", "dstate"):
+        p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",
+                       help=f"largest {name} drawn")
+    p.add_argument("--chunk-sizes", default=None, metavar="Q[,Q]", help="chunk sizes drawn (powers of two)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="every implementation, whether it runs here, and why not")
+    p.add_argument("--impl", action="append", metavar="MODULE:FUNCTION",
+                   help="also list a callable with mamba_chunk_scan_combined's signature (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="describe each implementation")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("selfcheck", help="the three float64 oracles against each other")
     p.add_argument("--device", default="cpu")
@@ -66,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the built-in default job (README quick start)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_selfcheck)
+    p = sub.add_parser("fuzz", help="search (Hypothesis) for cases where an implementation diverges; localize them")
+    _add_fuzz_arguments(p)
+    p.set_defaults(func=cmd_fuzz)
+    p = sub.add_parser("report", help="render saved runs (fuzz output directories) as self-contained HTML pages")
+    p.add_argument("runs", nargs="+", metavar="DIR", help="a saved run: summary.json and divergence-*/ folders")
+    p.add_argument("--reports", default=None, metavar="ROOT",
+                   help="reports folder: each run goes to ROOT/<run name>/index.html, the index to ROOT/index.html "
+                        "(default: $SSDIFF_REPORTS, else reports)")
+    p.add_argument("--name", default=None, help="the run's name in the reports folder (default: DIR's name)")
+    p.add_argument("--output", default=None, metavar="FILE", help="write the page to FILE instead (no index)")
+    p.add_argument("--browser-check", action="store_true",
+                   help="open each page in headless Chromium: print its load time, console errors and network "
+                        "requests (exit 1 if any), and save a screenshot beside it")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

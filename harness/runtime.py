@@ -1,35 +1,314 @@
 """Everything specific to where kernels run: a CUDA GPU natively, or a CPU under the Triton interpreter.
 
-The rest of ssdiff never asks which runtime it is on: it calls `configure()` once at start-up (the CLI and
-conftest.py do) and asks this module for the default device and the dtypes that can run.
+The rest of ssdiff never asks which runtime it is on. It calls `configure()` once at start-up (the CLI,
+conftest.py and the upstream loader do; it is idempotent) and then asks this module:
+
+- `default_device()`, `kernel_devices()`: where Triton kernels run ("cuda" natively, "cpu" interpreted);
+- `dtype_skip_reason(dtype)` / `runnable_dtypes()`: dtype gating (bf16 only on a GPU);
+- `fp32_dot()`: whether fp32 `tl.dot` is exact ("ieee") or TF32 here (what an fp32 tolerance must know);
+- `autotune(choice)`: which autotune config every Triton kernel launches with — "tuned" (the default: real
+  benchmarking on a GPU; the interpreter cannot benchmark, so there it is the first listed config), an
+  integer index (config ``i % n`` of every kernel with ``n`` configs), and `sweep(fn)` runs ``fn`` once per
+  index until every config of every kernel has run (some real bugs live in only one config);
+- `launches()`: which config each kernel launched with during the last `autotune` block.
+
+Interpreter patches (SPEC.md section 4), installed by `configure()` only under the interpreter:
+1. ``torch.cuda.device(None | cpu device)`` is a no-op (kernels wrap launches in it);
+2. ``torch.cuda.get_device_properties(cpu device)`` answers ``multi_processor_count = sm_count()`` (backward
+   kernels size their reduction splits by it; the default is the H200's 132 so CPU and GPU split alike);
+3. autotuners never benchmark: each launch gets exactly one config, chosen as above;
+4. integer-overflow sanitizing of every index operation is off (it doubles interpreter time, and the tiny
+   shapes a CPU can afford never approach 2**31; SSDIFF_SANITIZE_OVERFLOW=1 turns it back on);
+5. a kernel scalar used as a Python index (``range(0, chunk_size_limit)``) converts with ``.item()``: the
+   interpreter's ``tensor.__index__`` calls ``int()`` on a 1-element array, which numpy >= 2.4 refuses.
+The autotune wrapper (3) is installed on a GPU too, where it is transparent for "tuned".
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
+# H200 / H100 SXM have 132 SMs: the interpreter reports the same count so reduction splits match a GPU run.
+DEFAULT_SM_COUNT = 132
+
+_configured = False
+_sm_count = int(os.environ.get("SSDIFF_SM_COUNT", DEFAULT_SM_COUNT))
+
+
+# ---- which runtime ---------------------------------------------------------------------------------------
 
 def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
 def configure() -> None:
-    """Choose the runtime before any Triton kernel is defined: without a GPU, the Triton interpreter
-    (TRITON_INTERPRET=1 must be set before `triton.jit` decorates a kernel)."""
+    """Choose the runtime before any Triton kernel is defined and install what it needs. Idempotent.
+
+    Without a GPU: the Triton interpreter (TRITON_INTERPRET=1 must be set before `triton.jit` decorates a
+    kernel, so call this before importing any kernel module) and its patches."""
+    global _configured
+    if _configured:
+        return
     if not has_gpu():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if interpreted():
+        _patch_cuda_device()
+        _patch_device_properties()
+        _patch_interpreter_index()
+        _set_overflow_sanitizer(os.environ.get("SSDIFF_SANITIZE_OVERFLOW", "0") == "1")
+    _patch_autotuner()
+    _configured = True
 
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def describe() -> str:
+    """One line for reports and `ssdiff list`."""
+    if interpreted():
+        where = "CPU, Triton interpreter"
+    else:
+        where = f"GPU {torch.cuda.get_device_name()}" if has_gpu() else "CPU (no Triton runtime)"
+    return (f"{where}; dtypes {', '.join(runnable_dtypes())}; fp32 dot {fp32_dot()}; "
+            f"autotune {describe_choice(_choice)}; sm_count {sm_count() if interpreted() else 'device'}")
+
+
 def default_device() -> str:
-    return "cuda" if has_gpu() else "cpu"
+    """Where implementations run by default: the GPU, unless kernels are interpreted (then the CPU)."""
+    return "cuda" if has_gpu() and not interpreted() else "cpu"
+
+
+def kernel_devices() -> frozenset:
+    """Devices Triton kernels run on here: the GPU natively, or the CPU under the interpreter."""
+    return frozenset({"cpu"}) if interpreted() else frozenset({"cuda"} if has_gpu() else set())
+
+
+# ---- dtype gating ----------------------------------------------------------------------------------------
+
+BF16_REASON = ("bfloat16 runs only on a GPU: the Triton interpreter's bf16 tl.dot is garbage (errors ~1e10) "
+               "and it rounds f32->bf16 by truncation")
 
 
 def runnable_dtypes() -> tuple:
-    """bf16 only on a GPU: the interpreter's bf16 tl.dot is garbage and it rounds by truncation."""
+    """Dtypes Triton kernels can be judged in here: bf16 only on a GPU."""
     return ("float32", "float16", "bfloat16") if not interpreted() else ("float32", "float16")
+
+
+def dtype_skip_reason(dtype: str) -> Optional[str]:
+    """Why a Triton kernel cannot be judged in ``dtype`` here, or None."""
+    if dtype not in runnable_dtypes():
+        return BF16_REASON if dtype == "bfloat16" else f"dtype {dtype!r} is not run on this runtime"
+    return None
+
+
+def fp32_dot() -> str:
+    """"ieee" when fp32 tl.dot is exact fp32 (the interpreter, or TRITON_F32_DEFAULT=ieee), else "tf32"."""
+    if interpreted():
+        return "ieee"
+    return "ieee" if os.environ.get("TRITON_F32_DEFAULT", "").lower() == "ieee" else "tf32"
+
+
+# ---- SM count the interpreter reports --------------------------------------------------------------------
+
+def sm_count() -> int:
+    return _sm_count
+
+
+@contextlib.contextmanager
+def with_sm_count(count: int):
+    """Report ``count`` SMs to kernels under the interpreter (changes backward reduction splits)."""
+    global _sm_count
+    if count < 1:
+        raise ValueError(f"sm_count={count} must be at least 1")
+    old, _sm_count = _sm_count, count
+    try:
+        yield
+    finally:
+        _sm_count = old
+
+
+# ---- interpreter patches ---------------------------------------------------------------------------------
+
+def _is_host(device) -> bool:
+    if device is None:
+        return True
+    if isinstance(device, int):
+        return device < 0
+    if isinstance(device, str):
+        device = torch.device(device)
+    return isinstance(device, torch.device) and device.type == "cpu"
+
+
+def _patch_cuda_device():
+    original = torch.cuda.device
+    if getattr(original, "_ssdiff_patch", False):
+        return
+
+    class device(original):  # noqa: N801 - keeps torch's name
+        """torch.cuda.device that is a no-op for host tensors (device index None) under the interpreter."""
+        _ssdiff_patch = True
+
+        def __init__(self, dev):
+            self._host = _is_host(dev)
+            if not self._host:
+                super().__init__(dev)
+
+        def __enter__(self):
+            return None if self._host else super().__enter__()
+
+        def __exit__(self, *exc):
+            return False if self._host else super().__exit__(*exc)
+
+    torch.cuda.device = device
+
+
+def _patch_device_properties():
+    original = torch.cuda.get_device_properties
+    if getattr(original, "_ssdiff_patch", False):
+        return
+
+    def get_device_properties(device=None):
+        if _is_host(device) or not torch.cuda.is_available():
+            return types.SimpleNamespace(name="Triton interpreter (CPU)", multi_processor_count=_sm_count,
+                                         major=9, minor=0, total_memory=0)
+        return original(device)
+
+    get_device_properties._ssdiff_patch = True
+    torch.cuda.get_device_properties = get_device_properties
+
+
+def _set_overflow_sanitizer(on: bool):
+    try:
+        import dataclasses
+        from triton.runtime import interpreter
+        builder = interpreter.interpreter_builder
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=on)
+    except (ImportError, AttributeError, TypeError):
+        pass                       # another Triton: leave its defaults
+
+
+def _patch_interpreter_index():
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_ssdiff_patch", False):
+        return
+
+    def index(self):
+        data = self.handle.data
+        return int(data.item()) if getattr(data, "size", 0) == 1 else int(data)
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", index)
+
+    patch_lang_tensor._ssdiff_patch = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# ---- autotune config choice ------------------------------------------------------------------------------
+
+Choice = Union[str, int]      # "tuned" or a config index
+_choice: Choice = "tuned"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One autotuned launch: the kernel, the index of the config it ran with, how many it had."""
+    kernel: str
+    index: int
+    nconfigs: int
+    config: str
+
+
+_launches: list = []
+
+
+def describe_choice(choice: Choice) -> str:
+    if choice == "tuned":
+        return "tuned (benchmarked)" if not interpreted() else "tuned (interpreter: first config)"
+    return f"config #{choice} of every kernel (modulo its count)"
+
+
+def current_choice() -> Choice:
+    return _choice
+
+
+@contextlib.contextmanager
+def autotune(choice: Choice = "tuned"):
+    """Within the block, every autotuned Triton kernel launches with ``choice``: "tuned", or an index
+    (config ``index % n`` of a kernel with ``n`` configs, after the kernel's own pruning)."""
+    global _choice
+    if choice != "tuned" and (not isinstance(choice, int) or isinstance(choice, bool) or choice < 0):
+        raise ValueError(f"autotune choice must be 'tuned' or a non-negative config index, got {choice!r}")
+    configure()
+    old = _choice
+    _choice = choice
+    _launches.clear()
+    try:
+        yield
+    finally:
+        _choice = old
+
+
+def launches() -> list:
+    """The autotuned launches since the last `autotune` block began (kernel, config index, count)."""
+    return list(_launches)
+
+
+def sweep(fn: Callable[[int], object]) -> list:
+    """Call ``fn(index)`` inside ``autotune(index)`` for index 0, 1, ... until every config of every kernel
+    that launched has been used; returns the results in order. A kernel with n configs runs config
+    index % n, so max(n) calls cover them all."""
+    results, index, needed = [], 0, 1
+    while index < needed:
+        with autotune(index):
+            results.append(fn(index))
+            counts = [launch.nconfigs for launch in _launches]
+        needed = max([needed, *counts])
+        index += 1
+    return results
+
+
+def _patch_autotuner():
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:           # no triton: nothing to choose
+        return
+    if getattr(Autotuner.run, "_ssdiff_patch", False):
+        return
+    original_run = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        choice = _choice
+        if choice == "tuned" and not interpreted():
+            return original_run(self, *args, **kwargs)
+        index = 0 if choice == "tuned" else choice
+        candidates = self.configs
+        if self.early_config_prune is not None and len(candidates) > 1:
+            # The kernel's own pruning says which configs are legal for these arguments.
+            self.nargs = dict(zip(self.arg_names, args))
+            candidates = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
+        chosen = candidates[index % len(candidates)]
+        if len(_launches) > 10000:       # outside any autotune block nobody reads them: keep memory flat
+            del _launches[:5000]
+        _launches.append(Launch(getattr(self.base_fn, "__name__", "?"), index % len(candidates),
+                                len(candidates), str(chosen)))
+        saved = self.configs
+        self.configs = [chosen]
+        try:
+            return original_run(self, *args, **kwargs)
+        finally:
+            self.configs = saved
+
+    run._ssdiff_patch = True
+    Autotuner.run = run

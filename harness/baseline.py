@@ -1,0 +1,323 @@
+"""The same-precision baseline: what a correct chunked kernel naturally gets wrong in the case's dtype.
+
+The verdict (harness/verdict.py) does not hand-tune tolerances: it measures how far a *model kernel* lands
+from the float64 oracle on the same case, and budgets the implementation a fixed multiple of that. This
+module is the model kernel. It is the chunked evaluation order of every fast SSD kernel, computed the way
+those kernels compute:
+
+- arithmetic in float32 (register accumulators), including the dA cumsum, exp of segment sums, state passing,
+  the D skip, the z gate and the gated RMSNorm;
+- every operand of a matrix product rounded to the *dot precision*: the case dtype for float16 / bfloat16,
+  TF32 (10-bit mantissa) for float32 on a CUDA GPU under Triton's default ``input_precision`` (the H200 table
+  in SPEC.md section 7: GPU fp32 is TF32), float32 itself under the Triton interpreter or with
+  ``TRITON_F32_DEFAULT=ieee``. The products rounded are the ones Mamba-2 kernels round: C, B; B scaled by
+  its decay to the chunk end times dt; C.B^T scaled by the intra-chunk decay times dt; the states entering a
+  chunk; x; the out_proj operands;
+- tensors handed between stages in the dtype kernels store them in: the conv1d output, the normed output
+  and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
+- backward through the same graph in float32, every rounding point also rounding the gradient that flows
+  back through it (the backward kernels' products take operands in the same precision), and each input's
+  gradient returned in that input's dtype.
+
+`evaluate(case, inputs)` returns an `harness.oracle.Evaluation` (float64 tensors, the oracle's layouts and
+stage names), so every output, gradient and stage has a baseline to be judged against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from harness import runtime
+from harness.autodiff import differentiate
+from harness.case import Case
+from harness.inputs import Inputs
+from harness.oracle import Evaluation
+from harness.oracle.chunked import process_dt
+from harness.oracle.mixer import conv_vectorized, norm_vectorized
+from harness.oracle.result import STAGE_ORDER
+
+COMPUTE = torch.float32
+_LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dot_precision(case: Case, device) -> str:
+    """The precision matrix-product operands are rounded to on ``device``: "float16", "bfloat16", "tf32" or
+    "float32". On a GPU, fp32 ``tl.dot`` is TF32 unless TRITON_F32_DEFAULT=ieee (`runtime.fp32_dot`); the
+    interpreter computes fp32 products exactly."""
+    if case.dtype in _LOW:
+        return case.dtype
+    if torch.device(device).type == "cuda" and runtime.fp32_dot() == "tf32":
+        return "tf32"
+    return "float32"
+
+
+def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """``t`` (float32) rounded to ``precision`` and returned as float32 (no autograd)."""
+    if precision == "float32":
+        return t
+    if precision == "tf32":
+        # Round to nearest on the 13 low mantissa bits (sign-magnitude, so adding half an ulp works both signs).
+        bits = t.contiguous().view(torch.int32)
+        rounded = (bits + 0x1000) & ~0x1FFF
+        finite = torch.isfinite(t)
+        return torch.where(finite, rounded.view(torch.float32), t)
+    return t.to(_LOW[precision]).to(t.dtype)
+
+
+UNIT = {"float32": 2.0 ** -24, "tf32": 2.0 ** -11, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def _perturb(t: torch.Tensor, precision: str, gen: Optional[torch.Generator]) -> torch.Tensor:
+    """``t`` times (1 +- u) with an independent random sign per element (u: the precision's unit roundoff)."""
+    if gen is None:
+        return t
+    sign = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.int8).to(t.device, t.dtype) * 2 - 1
+    return t * (1.0 + UNIT[precision] * sign)
+
+
+class _Round(torch.autograd.Function):
+    """Round the value on the way forward and the gradient on the way back (perturbed first in a sample)."""
+
+    @staticmethod
+    def forward(ctx, t, precision, gen, perturb_value):
+        ctx.precision, ctx.gen = precision, gen
+        return round_to(_perturb(t, precision, gen if perturb_value else None), precision)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_to(_perturb(grad, ctx.precision, ctx.gen), ctx.precision), None, None, None
+
+
+class Rounding:
+    """Where the model kernel rounds. ``dot``: a computed matrix-product operand (the dot precision);
+    ``operand``: an input used as one (already exact in its dtype, so only TF32 rounds it); ``store``: a
+    tensor stored in the case dtype between stages; ``keep``: one kept in float32.
+
+    Sample 0 rounds to nearest. A sample k >= 1 first perturbs every rounding point by one unit roundoff of
+    its precision with a random sign (forward and backward, seeded by k): the spread of the samples is the
+    spread of the rounding error the computation naturally makes, so a budget taken as the largest of them
+    does not depend on one lucky draw (a gradient summed over every token with cancellation is one number;
+    a single baseline can land on it by chance)."""
+
+    def __init__(self, dot_precision: str, store_precision: Optional[str], sample: int = 0):
+        self.gen = torch.Generator().manual_seed(7919 * sample) if sample else None
+        self.dot_precision = dot_precision
+        self.store_precision = store_precision
+
+    def _apply(self, t, precision, perturb_value=True):
+        if precision == "float32" and self.gen is None:
+            return t
+        return _Round.apply(t, precision, self.gen, perturb_value)
+
+    def dot(self, t):
+        return self._apply(t, self.dot_precision)
+
+    def operand(self, t):
+        return self._apply(t, self.dot_precision, perturb_value=False)
+
+    def store(self, t):
+        return self._apply(t, self.store_precision or "float32")
+
+    def keep(self, t):
+        return self._apply(t, "float32")
+
+
+EXACT = Rounding("float32", None)
+
+
+def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=None, dt_bias=None, dt_softplus=False,
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, want_varlen=False):
+    """The model kernel's scan on float32 tensors, rounding as ``rounding`` says.
+    Returns (y, final_states, varlen_states, stages) in float32."""
+    dot, operand, keep = rounding.dot, rounding.operand, rounding.keep
+    b, L, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = chunk_size
+    c = -(-L // Q)
+    pad = c * Q - L
+    r = h // g
+    dev = x.device
+
+    d = keep(process_dt(dt, dt_bias, dt_softplus, dt_limit))                 # (b, L, h) fp32
+    seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=dev)
+
+    def chunks(t):
+        if pad:
+            t = torch.cat([t, t.new_zeros((b, pad) + t.shape[2:])], dim=1)
+        return t.reshape((b, c, Q) + t.shape[2:])
+
+    seq_c = torch.cat([seq, seq[:, -1:].expand(b, pad)], dim=1).reshape(b, c, Q) if pad else seq.reshape(b, c, Q)
+    real_c = seq_c >= 0
+    d_c = chunks(d)                                                          # (b, c, Q, h)
+    cs = keep(torch.cumsum(d_c * A, dim=2))                                  # fp32 cumsum inside each chunk
+    cs_g = cs.reshape(b, c, Q, g, r)
+    d_g = d_c.reshape(b, c, Q, g, r)
+    x_c = chunks(x).reshape(b, c, Q, g, r, p)
+    B_c, C_c = chunks(B), chunks(C)                                          # (b, c, Q, g, n)
+    xq = operand(x_c)
+
+    # C.B^T per chunk and group, float32 out.
+    Cq, Bq = operand(C_c), operand(B_c)
+    CB = keep(torch.einsum("bcign,bcjgn->bcgij", Cq, Bq))                   # (b, c, g, Q, Q)
+
+    # Intra-chunk: (C.B^T * decay(i <- j) * dt_j), rounded as a product operand, times x.
+    same = (seq_c[:, :, :, None] == seq_c[:, :, None, :]) & real_c[:, :, :, None] & real_c[:, :, None, :]
+    causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=dev))
+    allowed = (same & causal)[:, :, None, None]                              # (b, c, 1, 1, i, j)
+    # Segment sums sum_{j<s<=i} dA_s. Forward, their value is cs_i - cs_j in float32, as kernels compute
+    # exp(dA_cs_m - dA_cs_k): its rounding grows with |cs|, not with the segment. Backward, the gradient flows
+    # through the direct sum, as in the "stable" backward kernels (through cs_i - cs_j it would cancel
+    # catastrophically in the gradient of A under strong decay, which Mamba-2's backward avoids).
+    dA_g = (d_c * A).reshape(b, c, Q, g, r).permute(0, 1, 3, 4, 2)          # (b, c, g, r, Q)
+    later = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=dev), diagonal=-1)   # [s, j]: s > j
+    direct = torch.cumsum(torch.where(later, dA_g[..., :, None], torch.zeros((), dtype=dA_g.dtype, device=dev)),
+                          dim=-2)                                            # (b, c, g, r, i, j)
+    csT = cs_g.permute(0, 1, 3, 4, 2)                                        # (b, c, g, r, Q)
+    seg = direct + ((csT[..., :, None] - csT[..., None, :]) - direct).detach()
+    decay = torch.exp(torch.where(allowed, seg, torch.full_like(seg, -math.inf)))
+    W = dot(CB[:, :, :, None] * decay * d_g.permute(0, 1, 3, 4, 2)[..., None, :])      # (b, c, g, r, i, j)
+    y_diag = torch.einsum("bcgrij,bcjgrp->bcigrp", W, xq)
+
+    # Each chunk's own end state: B scaled by decay-to-end and dt, rounded, times x.
+    last_seq = seq_c[:, :, -1]
+    own = (seq_c == last_seq[:, :, None]) & real_c                           # (b, c, Q)
+    to_end = torch.exp(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * d_g * own[..., None, None]   # (b, c, Q, g, r)
+    Bs = dot(Bq[:, :, :, :, None, :] * to_end[..., None])                    # (b, c, Q, g, r, n)
+    chunk_states = keep(torch.einsum("bcjgrp,bcjgrn->bcgrpn", xq, Bs))
+
+    # State passing in float32.
+    prev_last = torch.cat([torch.zeros_like(last_seq[:, :1]), last_seq[:, :-1]], dim=1)
+    survives = (last_seq == prev_last) & (last_seq >= 0)
+    chunk_decay = torch.exp(cs_g[:, :, -1])
+    state = initial_states.reshape(b, g, r, p, n) if initial_states is not None else x.new_zeros(b, g, r, p, n)
+    entering = []
+    for k in range(c):
+        entering.append(state)
+        carry = (chunk_decay[:, k] * survives[:, k, None, None])[..., None, None]
+        state = keep(carry * state + chunk_states[:, k])
+    passed = torch.stack(entering, dim=1)                                    # (b, c, g, r, p, n)
+    final = state.reshape(b, h, p, n)
+
+    # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
+    reaches = (seq_c == prev_last[:, :, None]) & real_c
+    from_start = torch.exp(cs_g) * reaches[..., None, None]                  # (b, c, Q, g, r)
+    y_off = torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed)) * from_start[..., None]
+    y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
+
+    inside = (torch.arange(c * Q, device=dev) < L).reshape(c, Q)
+    stages = {
+        "dt": d,
+        "dA_cumsum": cs.reshape(b, c * Q, h)[:, :L],
+        "chunk_states": chunk_states.reshape(b, c, h, p, n),
+        "passed_states": passed.reshape(b, c, h, p, n),
+        "CB": CB * inside[None, :, None, :, None] * inside[None, :, None, None, :],
+        "scan": y,
+    }
+    varlen = None
+    if want_varlen and seq_idx is not None and b == 1:
+        varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], d_g[0], x_c[0], B_c[0], passed[0], prev_last[0], Q, L)
+    if D is not None:
+        y = y + (D[:, None] if D.dim() == 1 else D) * x
+        stages["skip"] = y
+    if z is not None:
+        y = y * F.silu(z)
+        stages["gated"] = y
+    return y, final, varlen, stages
+
+
+def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L):
+    """The state after the last token of each sequence of one batch row, in float32: (nseq, h, p, n)."""
+    ends = [t for t in range(L) if seq[t] >= 0 and (t == L - 1 or seq[t + 1] != seq[t])]
+    states = []
+    for t in ends:
+        k, i = divmod(t, Q)
+        members = seq[k * Q:k * Q + i + 1] == seq[t]
+        w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * d_g[k, :i + 1] * members[:, None, None]
+        state = torch.einsum("jgrp,jgn->grpn", w[..., None] * x_c[k, :i + 1], B_c[k, :i + 1])
+        if seq[t] == prev_last[k]:
+            state = state + torch.exp(cs_g[k, i])[..., None, None] * passed[k]
+        g, r, p, n = state.shape
+        states.append(state.reshape(g * r, p, n))
+    return torch.stack(states) if states else None
+
+
+def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
+    """The fused mixer: conv1d (stored in the case dtype) -> scan -> gated RMSNorm (stored) -> out_proj."""
+    h, p, g, n = case.nheads, case.headdim, case.ngroups, case.dstate
+    dim = case.dim
+    b, L, _ = tensors["zxbcdt"].shape
+    zx0, z, xBC, dt = torch.split(tensors["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
+    seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=xBC.device)
+    dot, store = rounding.dot, rounding.store
+    xBC = store(conv_vectorized(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation))
+    x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
+    rms = tensors.get("rmsnorm_weight")
+    y, final, _, stages = scan(
+        x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+        chunk_size=case.chunk_size, rounding=rounding, D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)),
+        dt_bias=tensors["dt_bias"], dt_softplus=True, dt_limit=case.dt_limit_or_default,
+        initial_states=tensors.get("initial_states"), seq_idx=seq_idx)
+    stages = {"conv": xBC, **stages}
+    y = y.flatten(-2)
+    if rms is not None:
+        y = norm_vectorized(y, z, rms, g, case.rmsnorm_eps, case.norm_before_gate)
+    if case.d_nonssm:
+        first, second = zx0.split(case.d_nonssm, dim=-1)
+        y = torch.cat([F.silu(first) * second, y], dim=-1)
+    if rms is not None or case.d_nonssm:
+        y = store(y)
+        stages["normed"] = y
+    if "outproj_weight" in tensors:
+        y = F.linear(rounding.operand(y), rounding.operand(tensors["outproj_weight"]), tensors.get("outproj_bias"))
+    return y, final, stages
+
+
+SAMPLES = 3
+
+
+def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: int = 0) -> Evaluation:
+    """The model kernel on ``case``: outputs, stages and (backward cases) gradients, as float64 tensors.
+    ``device`` decides the dot precision (TF32 on a CUDA GPU for fp32); default: the inputs' device.
+    ``sample`` 0 rounds to nearest; k >= 1 draws a perturbed sample (see `Rounding`)."""
+    device = device if device is not None else inputs.device
+    rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, sample)
+    leaves = {}
+    for name, value in inputs.values.items():
+        t = value.to(COMPUTE)
+        if case.backward and name in inputs.differentiable:
+            t.requires_grad_(True)
+        leaves[name] = t
+    with torch.set_grad_enabled(case.backward):
+        if case.entry == "chunk_scan":
+            y, final, varlen, stages = scan(
+                leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=case.chunk_size,
+                rounding=rounding, D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
+                dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
+                initial_states=leaves.get("initial_states"), seq_idx=inputs.seq_idx, want_varlen=case.varlen_states)
+        else:
+            y, final, stages = _mixer(leaves, case, inputs.seq_idx, rounding)
+            varlen = None
+        y = rounding.store(y)
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = rounding.keep(final)
+        if case.varlen_states and varlen is not None:
+            outputs["varlen_states"] = varlen
+        stages["y"] = y
+        grads = {}
+        if case.backward:
+            raw = differentiate(case, inputs, leaves, outputs)
+            grads = {k: g.to(inputs.dtypes[k]).to(torch.float64) for k, g in raw.items()}
+    as64 = lambda t: t.detach().to(torch.float64)
+    return Evaluation(outputs={k: as64(v) for k, v in outputs.items()}, grads=grads,
+                      stages={k: as64(stages[k]) for k in STAGE_ORDER if k in stages})
+
+
+def evaluate_samples(case: Case, inputs: Inputs, device: Optional[str] = None, samples: int = SAMPLES) -> list:
+    """``samples`` evaluations: round-to-nearest first, then perturbed ones. The verdict's noise level at an
+    element is the largest error among them."""
+    return [evaluate(case, inputs, device, sample=k) for k in range(samples)]

@@ -1,0 +1,265 @@
+"""Test doubles: implementations with known behaviour, for testing the verdict, localization and fuzz.
+
+They live in the package (not in a test file) because `ssdiff fuzz --isolate` runs implementations in a child
+process that must import them. They are not registered: name one as ``harness.doubles:NAME`` (the fuzz CLI
+and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.doubles:group_bug``.
+
+- `ToyKernel`: a chunked SSD computed chunk by chunk in float32 (chunk_scan entry; every feature but varlen
+  states), exposing every stage of the pipeline. With ``bug=`` one planted mistake:
+    "group_index"   chunk states take B from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``;
+    "no_reset"      the state passed between chunks does not reset where seq_idx changes;
+    "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one.
+- `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
+  instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
+- `LowPrecisionOracle`: one of the float64 oracles' math run in float32, results in the dtypes a kernel
+  returns them in: a healthy implementation for measuring false alarms.
+- `Misbehaving`: calls os.abort(), sleeps forever, or raises — optionally only when ngroups > 1 — to test that
+  crash / hang / error become verdicts under --isolate and the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from harness import oracle
+from harness.baseline import scan as model_scan
+from harness.case import Case
+from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.inputs import Inputs, torch_dtype
+from harness.oracle.chunked import process_dt
+from harness.oracle.mixer import conv_vectorized, norm_vectorized
+
+BUGS = (None, "group_index", "no_reset", "partial_mask")
+STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
+
+
+def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, bug=None):
+    """A chunk-at-a-time SSD scan on float32 tensors. Returns (y, final_states, stages)."""
+    b, L, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    Q = chunk_size
+    c = -(-L // Q)
+    r = h // g
+    dev = x.device
+    head_group = torch.arange(h, device=dev) // r
+    state_group = torch.arange(h, device=dev) % g if bug == "group_index" else head_group
+    d = process_dt(dt, dt_bias, dt_softplus, dt_limit)                       # (b, L, h)
+    seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=dev)
+
+    state = initial_states if initial_states is not None else x.new_zeros(b, h, p, n)
+    prev_last = torch.zeros(b, dtype=torch.long, device=dev)                 # initial states feed sequence 0
+    ys, cs_all, chunk_states, passed, CBs = [], [], [], [], []
+    for k in range(c):
+        s, e = k * Q, min(L, (k + 1) * Q)
+        q = e - s
+        dk, xk, sk = d[:, s:e], x[:, s:e], seq[:, s:e]                       # (b, q, h), (b, q, h, p), (b, q)
+        Bk, Ck = B[:, s:e], C[:, s:e]                                        # (b, q, g, n)
+        cs = torch.cumsum(dk * A, dim=1)                                     # (b, q, h)
+        real = sk >= 0
+        CB = torch.einsum("bign,bjgn->bgij", Ck, Bk)                        # (b, g, q, q)
+        CBs.append(F.pad(CB, (0, Q - q, 0, Q - q)))
+        causal = torch.tril(torch.ones(q, q, dtype=torch.bool, device=dev),
+                            diagonal=1 if (bug == "partial_mask" and q < Q) else 0)
+        same = (sk[:, :, None] == sk[:, None, :]) & real[:, :, None] & real[:, None, :]
+        allowed = (causal & same)[:, None]                                   # (b, 1, i, j)
+        # Like Mamba-2: exp(cs_i - cs_j) forward, the gradient through the direct segment sum (stable).
+        dA = (dk * A).transpose(1, 2)                                        # (b, h, q)
+        later = torch.tril(torch.ones(q, q, dtype=torch.bool, device=dev), diagonal=-1)
+        direct = torch.cumsum(torch.where(later, dA[..., :, None], torch.zeros((), dtype=dA.dtype, device=dev)),
+                              dim=-2)                                        # (b, h, i, j)
+        seg = direct + (cs.transpose(1, 2)[:, :, :, None] - cs.transpose(1, 2)[:, :, None, :] - direct).detach()
+        decay = torch.exp(torch.where(allowed, seg, torch.full_like(seg, -math.inf)))
+        scores = CB[:, head_group] * decay                                   # (b, h, i, j)
+        y_diag = torch.einsum("bhij,bjh,bjhp->bihp", scores, dk, xk)
+
+        last = sk[:, -1]
+        own = (sk == last[:, None]) & real                                   # (b, q)
+        to_end = torch.exp(seg[:, :, -1, :]).transpose(1, 2) * own[..., None]   # (b, q, h)
+        local = torch.einsum("bjh,bjh,bjhp,bjhn->bhpn", to_end, dk, xk, Bk[:, :, state_group])
+        chunk_states.append(local)
+        passed.append(state)
+        reaches = (sk == prev_last[:, None]) & real                          # (b, q)
+        y_off = torch.einsum("bihn,bhpn->bihp", Ck[:, :, head_group], state) * \
+            (torch.exp(cs) * reaches[..., None])[..., None]
+        ys.append(y_diag + y_off)
+        cs_all.append(cs)
+        survives = (last >= 0) if bug == "no_reset" else (last == prev_last) & (last >= 0)
+        state = (torch.exp(cs[:, -1]) * survives[:, None])[..., None, None] * state + local
+        prev_last = last
+    y = torch.cat(ys, dim=1)
+    stages = {"dt": d, "dA_cumsum": torch.cat(cs_all, dim=1), "chunk_states": torch.stack(chunk_states, dim=1),
+              "passed_states": torch.stack(passed, dim=1), "CB": torch.stack(CBs, dim=1), "scan": y}
+    if D is not None:
+        y = y + (D[:, None] if D.dim() == 1 else D) * x
+        stages["skip"] = y
+    if z is not None:
+        y = y * F.silu(z)
+        stages["gated"] = y
+    return y, state, stages
+
+
+def _float32_leaves(case: Case, inputs: Inputs) -> dict:
+    out = {}
+    for name, value in inputs.values.items():
+        t = value.to(torch.float32)
+        if case.backward and name in inputs.differentiable:
+            t.requires_grad_(True)
+        out[name] = t
+    return out
+
+
+class _Float32Implementation(Implementation):
+    """Runs ``compute(case, leaves, inputs) -> (outputs, stages)`` in float32 and returns what a kernel would:
+    y in the case dtype, states in float32, gradients in their inputs' dtypes."""
+
+    def compute(self, case: Case, t: dict, inputs: Inputs):
+        raise TypeError(f"{type(self).__name__} must define compute()")
+
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
+        from harness.autodiff import differentiate
+
+        leaves = _float32_leaves(case, inputs)
+        with torch.set_grad_enabled(case.backward):
+            outputs, stages = self.compute(case, leaves, inputs)
+            outputs["y"] = outputs["y"].to(torch_dtype(case))
+            grads = {}
+            if case.backward:
+                raw = differentiate(case, inputs, leaves, outputs)
+                grads = {k: v.to(inputs.dtypes[k]) for k, v in raw.items()}
+        return Outputs(outputs={k: v.detach() for k, v in outputs.items()}, grads=grads,
+                       stages={k: v.detach() for k, v in stages.items()} if want_stages else {})
+
+
+class ToyKernel(_Float32Implementation):
+    def __init__(self, bug=None):
+        if bug not in BUGS:
+            raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
+        self.bug = bug
+        self.name = f"double.toy{'.' + bug if bug else ''}"
+        self.description = f"toy chunked float32 SSD{' with a planted bug: ' + bug if bug else ''}"
+        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}),
+                                         unsupported=frozenset({"varlen_states"}), stages=STAGES)
+
+    def compute(self, case, t, inputs):
+        y, final, stages = toy_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=case.chunk_size,
+                                    D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"),
+                                    dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
+                                    initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx, bug=self.bug)
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = final
+        stages["y"] = y
+        return outputs, stages
+
+
+class ToyMixer(_Float32Implementation):
+    """The fused mixer in float32 (conv1d -> model scan -> gated RMSNorm -> out_proj)."""
+
+    def __init__(self, bug=None):
+        if bug not in (None, "norm_whole_dim"):
+            raise ValueError(f"bug must be None or 'norm_whole_dim', got {bug!r}")
+        self.bug = bug
+        self.name = f"double.mixer{'.' + bug if bug else ''}"
+        self.description = f"toy float32 fused mixer{' with a planted bug: ' + bug if bug else ''}"
+        self.capabilities = Capabilities(entries=frozenset({"split_conv1d"}),
+                                         stages=("conv", "dt", "dA_cumsum", "chunk_states", "passed_states", "CB",
+                                                 "scan", "skip", "normed", "y"))
+
+    def compute(self, case, t, inputs):
+        h, p, g, n, dim = case.nheads, case.headdim, case.ngroups, case.dstate, case.dim
+        b, L, _ = t["zxbcdt"].shape
+        zx0, z, xBC, dt = torch.split(t["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
+        seq = inputs.seq_idx.long() if inputs.seq_idx is not None else torch.zeros(b, L, dtype=torch.long)
+        conv = conv_vectorized(xBC, t["conv1d_weight"], t["conv1d_bias"], seq, case.activation)
+        x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
+        rms = t.get("rmsnorm_weight")
+        y, final, _, stages = model_scan(
+            x.unflatten(-1, (h, p)), dt, t["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+            chunk_size=case.chunk_size, D=t["D"], z=None if rms is not None else z.unflatten(-1, (h, p)),
+            dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=case.dt_limit_or_default,
+            initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx)
+        stages = {"conv": conv, **stages}
+        y = y.flatten(-2)
+        if rms is not None:
+            y = norm_vectorized(y, z, rms, 1 if self.bug == "norm_whole_dim" else g, case.rmsnorm_eps,
+                                case.norm_before_gate)
+        if case.d_nonssm:
+            first, second = zx0.split(case.d_nonssm, dim=-1)
+            y = torch.cat([F.silu(first) * second, y], dim=-1)
+        if rms is not None or case.d_nonssm:
+            stages["normed"] = y
+        if "outproj_weight" in t:
+            y = F.linear(y, t["outproj_weight"], t.get("outproj_bias"))
+        stages["y"] = y
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = final
+        return outputs, stages
+
+
+class LowPrecisionOracle(_Float32Implementation):
+    """A float64 oracle's math evaluated in float32 (healthy; for measuring false alarms)."""
+
+    def __init__(self, oracle_name: str):
+        self.oracle_name = oracle_name
+        self.name = f"double.{oracle_name.split('.')[-1]}_fp32"
+        self.description = f"{oracle_name}'s math computed in float32"
+        self.capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}), stages=oracle.STAGE_ORDER)
+
+    def compute(self, case, t, inputs):
+        res = oracle.call(self.oracle_name, case, t, inputs.seq_idx)
+        outputs = {"y": res.y}
+        if case.return_final_states:
+            outputs["final_states"] = res.final_states
+        if case.varlen_states:
+            outputs["varlen_states"] = res.varlen_states
+        return outputs, {**res.stages, "y": res.y}
+
+
+MISBEHAVIOURS = ("abort", "hang", "raise")
+
+
+class Misbehaving(Implementation):
+    """Aborts the process, sleeps forever, or raises — always, or only when ngroups > 1 (otherwise it is the
+    healthy toy kernel)."""
+
+    def __init__(self, how: str, only_with_groups: bool = False):
+        if how not in MISBEHAVIOURS:
+            raise ValueError(f"how must be one of {MISBEHAVIOURS}, got {how!r}")
+        self.how = how
+        self.only_with_groups = only_with_groups
+        self.name = f"double.{how}{'_with_groups' if only_with_groups else ''}"
+        self.description = f"test double that {'aborts' if how == 'abort' else 'hangs' if how == 'hang' else 'raises'}"
+        self.capabilities = Capabilities(unsupported=frozenset({"varlen_states"}))
+        self._healthy = ToyKernel()
+
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
+        if not self.only_with_groups or case.ngroups > 1:
+            if self.how == "abort":
+                os.abort()
+            if self.how == "hang":
+                while True:
+                    time.sleep(3600)
+            raise RuntimeError("planted failure: this implementation always raises")
+        return self._healthy.run(case, inputs, want_stages)
+
+
+healthy = ToyKernel()
+group_bug = ToyKernel("group_index")
+reset_bug = ToyKernel("no_reset")
+mask_bug = ToyKernel("partial_mask")
+mixer = ToyMixer()
+mixer_norm_bug = ToyMixer("norm_whole_dim")
+chunked_fp32 = LowPrecisionOracle("ref.chunked")
+quadratic_fp32 = LowPrecisionOracle("ref.quadratic")
+recurrent_fp32 = LowPrecisionOracle("ref.recurrent")
+aborts = Misbehaving("abort")
+hangs = Misbehaving("hang")
+raises = Misbehaving("raise")
+aborts_with_groups = Misbehaving("abort", only_with_groups=True)

@@ -1,0 +1,369 @@
+"""Adapters for every SSD entry point of the installed mamba_ssm release (2.0.0 - 2.3.2.post1).
+
+    mamba_ssm.chunk_scan_combined   mamba_chunk_scan_combined: every feature, forward and backward, stage
+                                    intermediates from the sub-kernels (chunk cumsum, chunk state, state
+                                    passing, bmm, chunk scan)
+    mamba_ssm.chunk_scan            mamba_chunk_scan: the staged Triton path (no seq_idx / h0 / dt_limit /
+                                    final states; no ragged last chunk: it needs L % chunk_size == 0)
+    mamba_ssm.chunk_scan_ref        ssd_chunk_scan_combined_ref: pure torch, same limits
+    mamba_ssm.ssd_minimal           ssd_minimal_discrete (the paper's listing): X = x*dt, A*dt, per-head B/C
+    mamba_ssm.split_conv1d_combined mamba_split_conv1d_scan_combined: the fused Mamba-2 mixer
+    mamba_ssm.split_conv1d_ref      mamba_split_conv1d_scan_ref: its reference (no seq_idx / h0 / d_nonssm)
+
+mamba_ssm is loaded without its package __init__ by harness.upstream; where causal_conv1d or
+selective_scan_cuda is missing a float64-checked torch stand-in runs in its place and `Outputs.notes` says so.
+What a release can express is detected from it (signatures, release number for seq_idx = -1 padding), and a
+case outside that is skipped with the reason. Nothing is reshaped to fit: an adapter only maps the Case's
+tensors onto the upstream call's arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from harness import runtime, upstream
+from harness.case import Case
+from harness.impls import register
+from harness.impls.base import Capabilities, Implementation, Outputs, limit
+from harness.inputs import Inputs
+
+ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
+# Features of harness.case.features() that a seq_idx-free entry point cannot express.
+NO_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
+
+# mamba_chunk_scan and ssd_chunk_scan_combined_ref add dt_bias in torch and never clamp; the SSD map (and
+# mamba_chunk_scan_combined's kernel) clamps dt' at dt_limit's default low end 0. Only dt_bias without softplus
+# can make dt' negative, so that combination is outside what they express.
+unclamped_dt = limit(lambda c: c.has_dt_bias and not c.dt_softplus,
+                     "cannot express dt_bias without softplus: it does not clamp dt + dt_bias at 0 (the SSD map and "
+                     "mamba_chunk_scan_combined do), and dt + dt_bias can be negative")
+conv_channels_8 = limit(lambda c: c.conv_channels % 8 != 0,
+                        "needs conv channels (dim + 2*ngroups*dstate) % 8 == 0 (causal_conv1d's channel-last "
+                        "layout)")
+
+
+class MambaImplementation(Implementation):
+    """Common ground: the release, availability, dtype gating, capabilities built once from the release."""
+
+    function_name = ""            # the attribute of ssd_combined this adapter drives
+    pure_torch = False            # no Triton kernel: any dtype, any device
+    uses: tuple = ()              # CUDA extensions it reaches (stand-in notes)
+    needs: tuple = ()             # keys of MambaRelease.missing that make it unavailable
+
+    def __init__(self):
+        self._capabilities = None
+
+    @property
+    def release(self) -> upstream.MambaRelease:
+        return upstream.mamba_ssm()
+
+    def unavailable(self) -> Optional[str]:
+        problem = upstream.mamba_ssm_problem()
+        if problem:
+            return problem
+        rel = self.release
+        for key in self.needs:
+            if key in rel.missing:
+                return rel.missing[key]
+        if self.function_name and not hasattr(rel.ssd_combined, self.function_name):
+            return f"{rel.label} has no {self.function_name}"
+        if not self.pure_torch and not runtime.kernel_devices():
+            return "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
+        return None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._capabilities is None:
+            if upstream.mamba_ssm_problem():
+                return self.declared()
+            self._capabilities = self.detect(self.release)
+        return self._capabilities
+
+    def declared(self, **overrides) -> Capabilities:
+        """The capabilities before looking at a release (what `ssdiff list` shows when it is missing)."""
+        devices = frozenset({"cpu", "cuda"}) if self.pure_torch else (runtime.kernel_devices()
+                                                                      or frozenset({"cuda"}))
+        dtypes = ALL_DTYPES if self.pure_torch else frozenset(runtime.runnable_dtypes())
+        fields = dict(dtypes=dtypes, devices=devices)
+        fields.update(overrides)
+        return Capabilities(**fields)
+
+    def detect(self, rel: upstream.MambaRelease) -> Capabilities:
+        return self.declared()
+
+    def skip_reason(self, case: Case, device: str) -> Optional[str]:
+        if not self.pure_torch and self.unavailable() is None:
+            why = runtime.dtype_skip_reason(case.dtype)
+            if why:
+                return f"{self.name}: {why}"
+        return super().skip_reason(case, device)
+
+    def notes(self) -> list:
+        return self.release.notes(self.uses)
+
+
+# ---- mamba_chunk_scan_combined ---------------------------------------------------------------------------
+
+def _time_major(t: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """(b, h, c, Q) chunk-major -> (b, L, h), cropped to seqlen."""
+    b, h, c, q = t.shape
+    return t.permute(0, 2, 3, 1).reshape(b, c * q, h)[:, :seqlen]
+
+
+def scan_stages(rel: upstream.MambaRelease, case: Case, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                initial_states=None, seq_idx=None) -> dict:
+    """Run the sub-kernels one by one (as _mamba_chunk_scan_combined_fwd does) and return the stage
+    intermediates in the oracle's layouts (harness/oracle/result.py)."""
+    Q, L = case.chunk_size, case.seqlen
+    b, _, h, p = x.shape
+    n = B.shape[-1]
+    with torch.no_grad():
+        if B.stride(-1) != 1:
+            B = B.contiguous()
+        if C.stride(-1) != 1:
+            C = C.contiguous()
+        if x.stride(-1) != 1 and x.stride(1) != 1:
+            x = x.contiguous()
+        if z is not None and z.stride(-1) != 1 and z.stride(1) != 1:
+            z = z.contiguous()
+        dA_cumsum, dt_out = rel.call("_chunk_cumsum_fwd", dt, A, Q, dt_bias=dt_bias, dt_softplus=case.dt_softplus,
+                                     dt_limit=case.dt_limit_or_default)
+        states = rel.call("_chunk_state_fwd", B, x, dt_out, dA_cumsum, seq_idx=seq_idx, states_in_fp32=True)
+        h0 = initial_states.reshape(b, h, p * n) if initial_states is not None else None
+        passed, _ = rel.call("_state_passing_fwd", states.reshape(*states.shape[:3], p * n), dA_cumsum[:, :, :, -1],
+                             initial_states=h0, seq_idx=seq_idx, chunk_size=Q, out_dtype=C.dtype)
+        passed = passed.reshape(*passed.shape[:3], p, n)
+        # The CB stage is C.B^T unmasked (the oracle's definition); the scan gets the masked one it always gets.
+        CB = rel.call("_bmm_chunk_fwd", C, B, Q, output_dtype=torch.float32)
+        CB_masked = rel.call("_bmm_chunk_fwd", C, B, Q, seq_idx=seq_idx, output_dtype=torch.float32) \
+            if seq_idx is not None else CB
+        scan, _ = rel.call("_chunk_scan_fwd", CB_masked, x, dt_out, dA_cumsum, C, passed, seq_idx=seq_idx)
+        stages = {"dt": _time_major(dt_out, L), "dA_cumsum": _time_major(dA_cumsum, L), "chunk_states": states,
+                  "passed_states": passed, "CB": CB, "scan": scan}
+        if D is not None or z is not None:
+            out, out_x = rel.call("_chunk_scan_fwd", CB_masked, x, dt_out, dA_cumsum, C, passed, D=D, z=z,
+                                  seq_idx=seq_idx)
+            if D is not None:
+                stages["skip"] = out_x if z is not None else out
+            if z is not None:
+                stages["gated"] = out
+    return stages
+
+
+class ChunkScanCombined(MambaImplementation):
+    name = "mamba_ssm.chunk_scan_combined"
+    description = "mamba_ssm mamba_chunk_scan_combined (Triton, fused; every feature; fwd + bwd)"
+    function_name = "mamba_chunk_scan_combined"
+
+    def detect(self, rel):
+        unsupported = set()
+        limits = []
+        if not rel.varlen_states:
+            unsupported.add("varlen_states")
+        why = rel.padding_reason()
+        if why:
+            limits.append(limit(lambda c: bool(c.padding and any(c.padding)), why))
+        return self.declared(unsupported=frozenset(unsupported), limits=tuple(limits), stages=SCAN_STAGES)
+
+    def forward(self, case, tensors, inputs, want_stages):
+        rel = self.release
+        fn = rel.ssd_combined.mamba_chunk_scan_combined
+        t = tensors
+        kwargs = dict(D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"), initial_states=t.get("initial_states"),
+                      seq_idx=inputs.seq_idx, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
+                      return_final_states=case.return_final_states)
+        if case.varlen_states:
+            kwargs.update(cu_seqlens=inputs.cu_seqlens, return_varlen_states=True)
+        result = fn(t["x"], t["dt"], t["A"], t["B"], t["C"], case.chunk_size, **kwargs)
+        result = result if isinstance(result, tuple) else (result,)
+        outputs = {"y": result[0]}
+        rest = list(result[1:])
+        if case.return_final_states:
+            outputs["final_states"] = rest.pop(0)
+        if case.varlen_states:
+            outputs["varlen_states"] = rest.pop(0)
+        stages = {}
+        if want_stages:
+            stages = scan_stages(rel, case, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t.get("D"), z=t.get("z"),
+                                 dt_bias=t.get("dt_bias"), initial_states=t.get("initial_states"),
+                                 seq_idx=inputs.seq_idx)
+        return Outputs(outputs=outputs, stages=stages, notes=self.notes())
+
+
+# ---- mamba_chunk_scan and ssd_chunk_scan_combined_ref ----------------------------------------------------
+
+# mamba_chunk_scan's backward (chunk_scan's autograd function) gets d(dA_cumsum) from the formula its authors call
+# numerically unstable (ssd_combined.py: "ddA_cumsum = einsum(out, dout) - ddt * dt ... numerically unstable"):
+# with strong decay per step the true value is ~0 and the difference of O(|out|) terms leaves rounding noise
+# (measured: dA 6689x its budget and d(dt) 6x in fp16, d(dt) 1.2x in fp32). The fused combined path does not.
+unstable_ddA = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large),
+                     "its backward takes d(dA_cumsum) from the difference its authors call numerically unstable: "
+                     "under strong decay per step (decay=strong, or dt > 20) gradients carry rounding noise of "
+                     "the size of the outputs")
+
+
+class ChunkScan(MambaImplementation):
+    name = "mamba_ssm.chunk_scan"
+    description = "mamba_ssm mamba_chunk_scan (Triton, staged autograd functions; fwd + bwd)"
+    function_name = "mamba_chunk_scan"
+
+    def detect(self, rel):
+        return self.declared(unsupported=NO_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
+                                                       "final_state_grad", "ragged"},
+                             limits=(unclamped_dt, unstable_ddA))
+
+    def forward(self, case, tensors, inputs, want_stages):
+        fn = getattr(self.release.ssd_combined, self.function_name)
+        t = tensors
+        y = fn(t["x"], t["dt"], t["A"], t["B"], t["C"], case.chunk_size, D=t.get("D"), z=t.get("z"),
+               dt_bias=t.get("dt_bias"), dt_softplus=case.dt_softplus)
+        return Outputs(outputs={"y": y}, notes=self.notes())
+
+
+class ChunkScanRef(ChunkScan):
+    name = "mamba_ssm.chunk_scan_ref"
+    description = "mamba_ssm ssd_chunk_scan_combined_ref (pure torch; not a gradient oracle: NaN under strong decay)"
+    function_name = "ssd_chunk_scan_combined_ref"
+    pure_torch = True
+
+    def detect(self, rel):
+        caps = self.declared(unsupported=NO_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
+                                                       "final_state_grad", "ragged"},
+                             limits=(unclamped_dt,))
+        # exp of a positive segment sum overflows before the mask zeroes it: inf * 0 = NaN in the gradient.
+        strong = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large),
+                       "its gradients go NaN under strong decay per chunk (decay=strong, or dt > 20): exp of the "
+                       "masked-out positive segment sums overflows (known; not a gradient oracle)")
+        return dataclasses.replace(caps, limits=caps.limits + (strong,))
+
+
+# ---- ssd_minimal_discrete --------------------------------------------------------------------------------
+
+# ssd_minimal_discrete takes A*dt in its one input dtype and sums it over each chunk there: with Mamba-2-typical
+# decay the chunk sum reaches ~20, where a half-precision ulp is ~0.01, so every decay factor is off by ~1%
+# (measured: final states 1.1e-2 relative in fp16; 7e-5 when the same fp16 inputs are computed in fp32). That
+# is the listing's design (its authors test it in fp32), pinned by a strict xfail in properties/test_upstream.py.
+half_cumsum = limit(lambda c: c.dtype != "float32" and c.regime.decay == "typical",
+                    "cannot express typical decay in float16/bfloat16: it sums A*dt over a chunk in the input dtype "
+                    "(a half-precision ulp at ~20 is 0.01, ~1% on every decay factor; it is meant for fp32)")
+
+
+class SsdMinimal(MambaImplementation):
+    name = "mamba_ssm.ssd_minimal"
+    description = "mamba_ssm ssd_minimal_discrete (pure torch, the paper's listing; X = x*dt, A*dt, B/C per head)"
+    pure_torch = True
+    needs = ("ssd_minimal",)
+
+    def detect(self, rel):
+        return self.declared(unsupported=NO_SEQ_IDX | {"D_head", "D_channel", "z", "dt_bias", "dt_softplus",
+                                                       "dt_limit", "ragged"},
+                             limits=(half_cumsum,))
+
+    def forward(self, case, tensors, inputs, want_stages):
+        fn = self.release.ssd_minimal.ssd_minimal_discrete
+        t = tensors
+        dtype = t["x"].dtype
+        dt = t["dt"].float()
+        # All four inputs in one dtype (it asserts so): the products are formed in fp32, rounded once.
+        X = (t["x"].float() * dt[..., None]).to(dtype)
+        A = (t["A"].float() * dt).to(dtype)
+        heads = case.heads_per_group
+        B = t["B"].repeat_interleave(heads, dim=2)
+        C = t["C"].repeat_interleave(heads, dim=2)
+        h0 = t.get("initial_states")
+        if h0 is not None:
+            h0 = h0.to(dtype)[:, None]
+        y, final = fn(X, A, B, C, case.chunk_size, initial_states=h0)
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = final
+        return Outputs(outputs=outputs, notes=self.notes())
+
+
+# ---- the fused mixer: mamba_split_conv1d_scan_combined and _ref -------------------------------------------
+
+def _activation(case: Case):
+    return "silu" if case.activation == "silu" else None
+
+
+class SplitConv1dCombined(MambaImplementation):
+    name = "mamba_ssm.split_conv1d_combined"
+    description = "mamba_ssm mamba_split_conv1d_scan_combined (the fused Mamba-2 mixer; fwd + bwd)"
+    function_name = "mamba_split_conv1d_scan_combined"
+    uses = ("causal_conv1d",)
+
+    def detect(self, rel):
+        limits = [conv_channels_8]
+        why = rel.padding_reason()
+        if why:
+            limits.append(limit(lambda c: bool(c.padding and any(c.padding)), why))
+        return self.declared(entries=frozenset({"split_conv1d"}), limits=tuple(limits),
+                             stages=("conv",) + SCAN_STAGES[:-2] + ("skip",))
+
+    def forward(self, case, tensors, inputs, want_stages):
+        rel = self.release
+        fn = rel.ssd_combined.mamba_split_conv1d_scan_combined
+        t = tensors
+        result = fn(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"],
+                    case.chunk_size, initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx,
+                    dt_limit=case.dt_limit_or_default, return_final_states=case.return_final_states,
+                    activation=_activation(case), rmsnorm_weight=t.get("rmsnorm_weight"),
+                    rmsnorm_eps=case.rmsnorm_eps, outproj_weight=t.get("outproj_weight"),
+                    outproj_bias=t.get("outproj_bias"), headdim=case.headdim, ngroups=case.ngroups,
+                    norm_before_gate=case.norm_before_gate)
+        outputs = {"y": result[0], "final_states": result[1]} if case.return_final_states else {"y": result}
+        stages = self._stages(rel, case, t, inputs) if want_stages else {}
+        return Outputs(outputs=outputs, stages=stages, notes=self.notes())
+
+    def _stages(self, rel, case, t, inputs):
+        """conv (through the same causal_conv1d call the mixer makes) and the scan stages on its x, B, C."""
+        dim, g, n, h = case.dim, case.ngroups, case.dstate, case.nheads
+        with torch.no_grad():
+            zxbcdt = t["zxbcdt"].detach()
+            _, _, xBC, dt = torch.split(zxbcdt, [2 * case.d_nonssm, dim, case.conv_channels, h], dim=-1)
+            conv_fwd = getattr(rel.ssd_combined, "causal_conv1d_fwd_function", None)
+            if conv_fwd is None:
+                conv_fwd = rel.ssd_combined.causal_conv1d_cuda.causal_conv1d_fwd
+            seq_idx = inputs.seq_idx.contiguous() if inputs.seq_idx is not None else None
+            conv = conv_fwd(xBC.contiguous().transpose(1, 2), t["conv1d_weight"], t["conv1d_bias"], seq_idx, None, None,
+                            case.activation == "silu").transpose(1, 2)
+            x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
+            stages = scan_stages(rel, case, x.unflatten(-1, (h, case.headdim)), dt, t["A"],
+                                 B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)), D=t["D"],
+                                 dt_bias=t["dt_bias"], initial_states=t.get("initial_states"), seq_idx=seq_idx)
+        stages.pop("gated", None)
+        return {"conv": conv, **stages}
+
+
+class SplitConv1dRef(MambaImplementation):
+    name = "mamba_ssm.split_conv1d_ref"
+    description = ("mamba_ssm mamba_split_conv1d_scan_ref (torch + selective_scan + Triton rmsnorm; known bug: "
+                   "normalizes over all of dim when ngroups > 1, state-spaces/mamba #647)")
+    function_name = "mamba_split_conv1d_scan_ref"
+    uses = ("causal_conv1d", "selective_scan_cuda")
+    needs = ("selective_scan",)
+
+    def detect(self, rel):
+        return self.declared(entries=frozenset({"split_conv1d"}),
+                             unsupported=NO_SEQ_IDX | {"initial_states", "final_states", "final_state_grad",
+                                                       "d_nonssm"})
+
+    def forward(self, case, tensors, inputs, want_stages):
+        fn = self.release.ssd_combined.mamba_split_conv1d_scan_ref
+        t = tensors
+        y = fn(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], case.chunk_size,
+               dt_limit=case.dt_limit_or_default, activation=_activation(case),
+               rmsnorm_weight=t.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
+               outproj_weight=t.get("outproj_weight"), outproj_bias=t.get("outproj_bias"), headdim=case.headdim,
+               ngroups=case.ngroups, norm_before_gate=case.norm_before_gate)
+        return Outputs(outputs={"y": y}, notes=self.notes())
+
+
+IMPLEMENTATIONS = (ChunkScanCombined(), ChunkScan(), ChunkScanRef(), SsdMinimal(), SplitConv1dCombined(),
+                   SplitConv1dRef())
+for _impl in IMPLEMENTATIONS:
+    register(_impl)

@@ -1,0 +1,113 @@
+"""ssdiff's own Triton SSD kernels (kernels/ssd) as an implementation: both entry points, every feature,
+forward and backward, and every stage intermediate (so fuzz can localize inside it).
+
+    ssdiff.triton   chunk_scan: kernels.ssd.combined.ssd_chunk_scan_combined
+                    split_conv1d: kernels.ssd.mixer.ssd_split_conv1d_scan_combined (conv1d, gated RMSNorm and
+                    out_proj in torch; the scan in Triton)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from harness import runtime
+from harness.case import Case
+from harness.impls import register
+from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.inputs import Inputs
+
+SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
+
+
+class SsdiffTriton(Implementation):
+    name = "ssdiff.triton"
+    description = "ssdiff's own Triton SSD kernels (kernels/ssd): every feature, fwd+bwd, native groups"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}),
+                            dtypes=frozenset(runtime.runnable_dtypes()),
+                            devices=runtime.kernel_devices() or frozenset({"cuda"}),
+                            backward=True, stages=("conv",) + SCAN_STAGES + ("normed", "y"))
+
+    def unavailable(self) -> Optional[str]:
+        if not runtime.kernel_devices():
+            return "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
+        return None
+
+    def skip_reason(self, case: Case, device: str) -> Optional[str]:
+        why = runtime.dtype_skip_reason(case.dtype)
+        if why:
+            return f"{self.name}: {why}"
+        return super().skip_reason(case, device)
+
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
+        runtime.configure()
+        if case.entry == "chunk_scan":
+            return self._chunk_scan(case, tensors, inputs, want_stages)
+        return self._mixer(case, tensors, inputs, want_stages)
+
+    def _chunk_scan(self, case, t, inputs, want_stages):
+        from kernels.ssd.combined import ssd_chunk_scan_combined
+
+        res = ssd_chunk_scan_combined(
+            t["x"], t["dt"], t["A"], t["B"], t["C"], case.chunk_size, D=t.get("D"), z=t.get("z"),
+            dt_bias=t.get("dt_bias"), initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx,
+            cu_seqlens=inputs.cu_seqlens, dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
+            return_final_states=case.return_final_states, return_varlen_states=case.varlen_states)
+        res = res if isinstance(res, tuple) else (res,)
+        outputs = {"y": res[0]}
+        if case.return_final_states:
+            outputs["final_states"] = res[1]
+        if case.varlen_states:
+            outputs["varlen_states"] = res[-1]
+        stages = {}
+        if want_stages:
+            stages = scan_stages(case, t["x"], t["dt"], t["A"], t["B"], t["C"], t.get("D"), t.get("z"),
+                                 t.get("dt_bias"), t.get("initial_states"), inputs.seq_idx)
+            stages["y"] = outputs["y"]
+        return Outputs(outputs=outputs, stages=stages)
+
+    def _mixer(self, case, t, inputs, want_stages):
+        from kernels.ssd.mixer import ssd_split_conv1d_scan_combined
+
+        out, extra, scan_in = ssd_split_conv1d_scan_combined(
+            t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], case.chunk_size,
+            initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx, dt_limit=case.dt_limit_or_default,
+            return_final_states=case.return_final_states, activation=case.activation,
+            rmsnorm_weight=t.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
+            outproj_weight=t.get("outproj_weight"), outproj_bias=t.get("outproj_bias"), headdim=case.headdim,
+            ngroups=case.ngroups, norm_before_gate=case.norm_before_gate, return_stages=True)
+        y, final = out if case.return_final_states else (out, None)
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = final
+        stages = {}
+        if want_stages:
+            x, dt, B, C, z = scan_in
+            stages = dict(extra)
+            stages.update(scan_stages(case, x, dt, t["A"], B, C, t["D"], z, t["dt_bias"], t.get("initial_states"),
+                                      inputs.seq_idx, dt_softplus=True))
+            stages["y"] = y
+        return Outputs(outputs=outputs, stages=stages, notes=[
+            "ssdiff.triton split_conv1d: conv1d, gated RMSNorm and out_proj run in torch; the scan in Triton"])
+
+
+def scan_stages(case, x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                dt_softplus=None) -> dict:
+    """Each forward stage kernel run on its own, in order, converted to the oracle's layouts."""
+    from kernels.ssd.forward import oracle_stages, ssd_combined_fwd
+
+    with torch.no_grad():
+        res = ssd_combined_fwd(x.detach(), dt.detach(), A.detach(), B.detach(), C.detach(), case.chunk_size,
+                               D=D.detach() if D is not None else None, z=z.detach() if z is not None else None,
+                               dt_bias=dt_bias.detach() if dt_bias is not None else None,
+                               initial_states=initial_states.detach() if initial_states is not None else None,
+                               seq_idx=seq_idx, dt_softplus=case.dt_softplus if dt_softplus is None else dt_softplus,
+                               dt_limit=case.dt_limit_or_default, stages=True)
+    return oracle_stages(res, case.seqlen, D is not None, z is not None)
+
+
+register(SsdiffTriton())

@@ -1,0 +1,224 @@
+"""Running an implementation on one case: in this process, or in a child process that may die.
+
+A kernel that aborts, segfaults or corrupts the CUDA context takes its process with it; one that loops
+forever holds it. `IsolatedRunner` keeps a child process (multiprocessing "spawn": a fresh interpreter, safe
+with CUDA) that materializes the case's inputs itself (they are deterministic in (case, device)), runs the
+implementation and sends back its results on CPU. When the child dies the run is a ``crash`` (with the
+signal or exit code), when it does not answer within the timeout it is killed and the run is a ``hang``;
+either way the next run starts a new child and fuzzing goes on. An exception inside the implementation is an
+``error`` in both runners.
+
+Implementations are named by spec: a registry name (``mamba_ssm.chunk_scan_combined``) or ``module:attr`` for
+an Implementation object (or class) defined at module level (``harness.doubles:aborts``); anything else with a
+colon is handed to the registry (the generic adapter for callables with mamba's signature).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from harness.case import Case
+
+STARTUP_TIMEOUT = 300.0
+
+
+@dataclass
+class RunResult:
+    """status: "ok" (``outputs`` holds the results), "error", "crash" or "hang" (``detail`` says what
+    happened). launches: the autotuned launches (kernel, config index, count) the run made."""
+
+    status: str
+    outputs: Optional[object] = None
+    detail: str = ""
+    seconds: float = 0.0
+    launches: list = field(default_factory=list)
+
+
+def resolve(spec: str):
+    """The Implementation named ``spec`` (see the module docstring)."""
+    from harness.impls import Implementation, get
+
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+        obj = getattr(module, attr, None) if module is not None else None
+        if isinstance(obj, Implementation):
+            return obj
+        if isinstance(obj, type) and issubclass(obj, Implementation):
+            return obj()
+    return get(spec)
+
+
+def short_error(err: BaseException) -> str:
+    """``Type: message`` plus the innermost frame, on a few lines."""
+    tb = traceback.extract_tb(err.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    text = f"{type(err).__name__}: {err}".strip()
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    return text + where
+
+
+def _run_here(impl, case: Case, device: str, want_stages: bool, choice) -> RunResult:
+    from harness import runtime
+    from harness.inputs import materialize
+
+    inputs = materialize(case, device)
+    start = time.perf_counter()
+    try:
+        with runtime.autotune(choice):
+            out = impl.run(case, inputs, want_stages)
+            launches = [(l.kernel, l.index, l.nconfigs, l.config) for l in runtime.launches()]
+    except Exception as err:            # the implementation raised: a verdict, not our crash
+        return RunResult("error", detail=short_error(err), seconds=time.perf_counter() - start)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return RunResult("ok", outputs=out, seconds=time.perf_counter() - start, launches=launches)
+
+
+class InProcessRunner:
+    """Runs implementations in this process: fast; an abort or a hang takes the whole run with it."""
+
+    isolated = False
+
+    def __init__(self, device: str):
+        self.device = device
+        self._impls: dict = {}
+
+    def run(self, spec: str, case: Case, want_stages: bool = False, choice="tuned") -> RunResult:
+        impl = self._impls.get(spec) or self._impls.setdefault(spec, resolve(spec))
+        return _run_here(impl, case, self.device, want_stages, choice)
+
+    def close(self):
+        pass
+
+
+def _to_cpu(out):
+    move = lambda d: {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+    out.outputs, out.grads, out.stages = move(out.outputs), move(out.grads), move(out.stages)
+    return out
+
+
+def _child(conn, device: str):
+    """The child's loop: receive (spec, case json, want_stages, choice), answer with a RunResult."""
+    from harness import runtime
+
+    runtime.configure()
+    import harness.impls  # noqa: F401 - the registry and torch, before the parent starts the clock
+    import harness.inputs  # noqa: F401
+
+    conn.send("ready")
+    impls: dict = {}
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        spec, case_json, want_stages, choice = request
+        try:
+            impl = impls.get(spec) or impls.setdefault(spec, resolve(spec))
+            result = _run_here(impl, Case.from_json(case_json), device, want_stages, choice)
+        except Exception as err:
+            result = RunResult("error", detail=short_error(err))
+        if result.outputs is not None:
+            result.outputs = _to_cpu(result.outputs)
+        conn.send(result)
+
+
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "the process did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" (abort)" if -code == signal.SIGABRT else
+                                      " (segmentation fault)" if -code == signal.SIGSEGV else "")
+    return f"exited with status {code}"
+
+
+class IsolatedRunner:
+    """Runs implementations in a child process; a crash or a hang becomes a RunResult and a new child is
+    started for the next run. ``timeout``: seconds one run may take (inputs included)."""
+
+    isolated = True
+
+    def __init__(self, device: str, timeout: float = 300.0):
+        self.device = device
+        self.timeout = timeout
+        self._ctx = multiprocessing.get_context("spawn")
+        self._proc = None
+        self._conn = None
+        self.restarts = 0
+
+    def _start(self):
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_child, args=(child, self.device), daemon=True,
+                                       name="ssdiff-isolated")
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        # Start-up (a fresh interpreter importing torch and triton) does not count against a run's timeout.
+        if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != "ready":
+            self._stop(kill=True)
+            raise RuntimeError(f"the isolated worker did not start within {STARTUP_TIMEOUT} s")
+
+    def _stop(self, kill: bool):
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if conn is not None:
+            try:
+                if not kill:
+                    conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            conn.close()
+        if proc is not None:
+            if kill and proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def run(self, spec: str, case: Case, want_stages: bool = False, choice="tuned") -> RunResult:
+        if self._proc is None or not self._proc.is_alive():
+            if self._proc is not None:
+                self._stop(kill=True)
+                self.restarts += 1
+            self._start()
+        start = time.perf_counter()
+        try:
+            self._conn.send((spec, case.to_json(indent=None), want_stages, choice))
+            ready = self._conn.poll(self.timeout)
+            if not ready:
+                self._stop(kill=True)
+                return RunResult("hang", detail=f"no result within the {self.timeout:g} s timeout (killed)",
+                                 seconds=time.perf_counter() - start)
+            result = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            proc = self._proc
+            if proc is not None:
+                proc.join(timeout=5)
+            code = proc.exitcode if proc is not None else None
+            self._stop(kill=True)
+            return RunResult("crash", detail=f"the implementation's process died: {describe_exit(code)}",
+                             seconds=time.perf_counter() - start)
+        return result
+
+    def close(self):
+        self._stop(kill=False)

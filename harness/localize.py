@@ -1,0 +1,480 @@
+"""Localization: where a divergence lives — in the pipeline, in the tensor, in the case's features, and on
+which side of a pair.
+
+Each function returns a plain dict (JSON-ready, written into verdict.json) with a ``text`` entry that says it
+in words:
+
+- `stages`: stage intermediates compared in pipeline order (harness/oracle/result.py: STAGE_ORDER); the first
+  one out of budget is the culprit and later ones are marked as inheriting it. When the diverging side exposes
+  no stages, the stage is inferred from the feature trigger (a divergence that needs rmsnorm enters at the
+  gated RMSNorm) and said to be inferred.
+- `coordinates`: from the per-element error maps kept by the verdict — which batch rows, heads or groups,
+  chunks, tokens; whether only the last partial chunk is hit, whether the errors start at a sequence
+  boundary; `configs` says which autotune configs diverge.
+- `features` (`minimal_trigger`): re-run with each optional feature switched off or simplified, in a fixed
+  order, keeping every simplification under which the divergence persists; what is left is a minimal set of
+  features that triggers it (no single one can be dropped), with the simplified case as a smaller repro.
+- `sides`: which implementation the oracle agrees with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from harness.case import Case, features
+from harness.oracle.result import STAGE_ORDER
+from harness.verdict import TensorVerdict, Verdict
+
+
+# ---- features: simplifications, one per optional feature ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Simplification:
+    """Switch one feature off (or tame it). ``applies(case)``; ``apply(case) -> Case`` (may raise CaseError)."""
+
+    key: str
+    label: str
+    applies: Callable[[Case], bool]
+    apply: Callable[[Case], Case]
+    stage: Optional[str] = None       # the pipeline stage that exists only because of this feature
+
+
+def _fold_padding(c: Case) -> Case:
+    segments = tuple(row[:-1] + (row[-1] + pad,) for row, pad in zip(c.segments, c.padding))
+    return c.replace(segments=segments, padding=None)
+
+
+def _unragged(c: Case) -> Case:
+    Q = c.chunk_size
+    target = c.seqlen - c.seqlen % Q if c.seqlen >= Q else Q
+    delta = target - c.seqlen
+    changes = dict(seqlen=target)
+    if c.segments is not None:
+        pads = c.padding or (0,) * c.batch
+        segs, new_pads = [], []
+        for row, pad in zip(c.segments, pads):
+            take = min(pad, -delta) if delta < 0 else 0
+            rest = delta + take
+            row = row[:-1] + (row[-1] + rest,)
+            segs.append(row)
+            new_pads.append(pad - take)
+        changes["segments"] = tuple(segs)
+        changes["padding"] = tuple(new_pads) if any(new_pads) else None
+    return c.replace(**changes)
+
+
+def _first_row(c: Case) -> Case:
+    changes = dict(batch=1)
+    if c.segments is not None:
+        changes["segments"] = c.segments[:1]
+        if c.padding is not None:
+            changes["padding"] = c.padding[:1]
+    return c.replace(**changes)
+
+
+def _no_seq_idx(c: Case) -> Case:
+    return c.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
+
+
+SIMPLIFICATIONS = (
+    Simplification("backward", "the backward pass", lambda c: c.backward,
+                   lambda c: c.replace(pass_="forward", final_state_grad=False)),
+    Simplification("final_state_grad", "a final-state gradient", lambda c: c.final_state_grad,
+                   lambda c: c.replace(final_state_grad=False)),
+    Simplification("groups", "ngroups > 1", lambda c: c.ngroups > 1, lambda c: c.replace(ngroups=1)),
+    Simplification("rmsnorm", "rmsnorm", lambda c: c.rmsnorm,
+                   lambda c: c.replace(rmsnorm=False, norm_before_gate=True), stage="normed"),
+    Simplification("out_proj", "out_proj", lambda c: c.out_dim is not None,
+                   lambda c: c.replace(out_dim=None, outproj_bias=False), stage="y"),
+    Simplification("outproj_bias", "an out_proj bias", lambda c: c.outproj_bias,
+                   lambda c: c.replace(outproj_bias=False), stage="y"),
+    Simplification("d_nonssm", "the SwiGLU branch (d_nonssm > 0)", lambda c: c.d_nonssm > 0,
+                   lambda c: c.replace(d_nonssm=0), stage="normed"),
+    Simplification("z", "z", lambda c: c.has_z, lambda c: c.replace(has_z=False), stage="gated"),
+    Simplification("D", "D", lambda c: c.entry == "chunk_scan" and c.D != "none",
+                   lambda c: c.replace(D="none"), stage="skip"),
+    Simplification("D_channel", "per-channel D", lambda c: c.entry == "split_conv1d" and c.D == "channel",
+                   lambda c: c.replace(D="head"), stage="skip"),
+    Simplification("varlen_states", "varlen states", lambda c: c.varlen_states,
+                   lambda c: c.replace(varlen_states=False)),
+    Simplification("seq_idx", "seq_idx", lambda c: c.segments is not None, _no_seq_idx),
+    Simplification("padding", "padding tokens (seq_idx = -1)", lambda c: bool(c.padding and any(c.padding)),
+                   _fold_padding),
+    Simplification("seq_idx_start", "seq_idx not starting at 0", lambda c: c.seq_idx_start > 0,
+                   lambda c: c.replace(seq_idx_start=0)),
+    Simplification("initial_states", "initial states", lambda c: c.initial_states,
+                   lambda c: c.replace(initial_states=False)),
+    Simplification("final_states", "returned final states", lambda c: c.return_final_states and not c.varlen_states,
+                   lambda c: c.replace(return_final_states=False, final_state_grad=False)),
+    Simplification("dt_limit", "dt_limit", lambda c: c.dt_limit is not None, lambda c: c.replace(dt_limit=None)),
+    Simplification("dt_softplus", "dt_softplus", lambda c: c.entry == "chunk_scan" and c.dt_softplus,
+                   lambda c: c.replace(dt_softplus=False)),
+    Simplification("dt_bias", "dt_bias", lambda c: c.entry == "chunk_scan" and c.has_dt_bias,
+                   lambda c: c.replace(has_dt_bias=False)),
+    Simplification("ragged", "a ragged last chunk (seqlen % chunk_size != 0)",
+                   lambda c: c.seqlen % c.chunk_size != 0, _unragged),
+    Simplification("strided", "strided (non-contiguous) inputs", lambda c: c.regime.layout == "strided",
+                   lambda c: c.replace(regime={"layout": "contiguous"})),
+    Simplification("dt_large", "dt above the softplus threshold", lambda c: c.regime.dt_large,
+                   lambda c: c.replace(regime={"dt_large": False})),
+    Simplification("decay", "typical or strong decay", lambda c: c.regime.decay in ("typical", "strong"),
+                   lambda c: c.replace(regime={"decay": "mild"})),
+    Simplification("scale", "input scale != 1", lambda c: c.regime.scale != 1.0,
+                   lambda c: c.replace(regime={"scale": 1.0})),
+    Simplification("batch", "batch > 1", lambda c: c.batch > 1, _first_row),
+)
+BY_KEY = {s.key: s for s in SIMPLIFICATIONS}
+
+# harness.case.features() names -> simplification keys (capabilities speak the former)
+FEATURE_KEYS = {"D_head": "D", "D_channel": "D"}
+
+
+def simplify(case: Case, key: str) -> Optional[Case]:
+    """``case`` with feature ``key`` switched off, or None when it does not apply or cannot be expressed."""
+    from harness.case import CaseError
+
+    s = BY_KEY[key]
+    if not s.applies(case):
+        return None
+    try:
+        out = s.apply(case)
+    except CaseError:
+        return None
+    return out if out != case else None
+
+
+def fit_case(case: Case, impls, device: str) -> Optional[Case]:
+    """``case`` with the features some implementation cannot express switched off (the simplifications
+    above) and, if a size limit still rejects it, dstate / headdim nudged up to the nearest accepted; None
+    when it still falls outside one's capabilities (entry, dtype, a limit)."""
+    for _ in range(len(SIMPLIFICATIONS)):
+        changed = False
+        for impl in impls:
+            cap = impl.capabilities
+            wanted = set(features(case) & cap.unsupported)
+            if case.backward and not cap.backward:
+                wanted.add("backward")
+            for name in sorted(wanted):
+                key = FEATURE_KEYS.get(name, name)
+                if case.entry == "split_conv1d" and key == "D":
+                    key = "D_channel"
+                if key not in BY_KEY:
+                    continue
+                smaller = simplify(case, key)
+                if smaller is not None:
+                    case, changed = smaller, True
+        if not changed:
+            break
+    if not any(impl.skip_reason(case, device) for impl in impls):
+        return case
+    # A size limit (e.g. conv channels % 8 == 0 for causal_conv1d): nudge dstate and headdim up a little.
+    from harness.case import CaseError
+
+    for extra_p in range(4):
+        for extra_n in range(8):
+            try:
+                nudged = case.replace(dstate=case.dstate + extra_n, headdim=case.headdim + extra_p)
+            except CaseError:
+                continue
+            if not any(impl.skip_reason(nudged, device) for impl in impls):
+                return nudged
+    return None
+
+
+def minimal_trigger(case: Case, still_diverges: Callable[[Case], bool],
+                    budget_runs: Optional[int] = None) -> dict:
+    """Switch features off one at a time, keeping each simplification under which ``still_diverges`` holds.
+    Returns {"trigger": [keys], "labels": [...], "minimal_case": Case dict, "tried": [{key, kept}], "text"}."""
+    current = case
+    trigger, tried = [], []
+    runs = 0
+    for s in SIMPLIFICATIONS:
+        candidate = simplify(current, s.key)
+        if candidate is None:
+            continue
+        if budget_runs is not None and runs >= budget_runs:
+            tried.append({"feature": s.key, "result": "not tried (run budget spent)"})
+            trigger.append(s.key)
+            continue
+        runs += 1
+        persists = still_diverges(candidate)
+        tried.append({"feature": s.key, "result": "divergence persists without it" if persists
+                      else "divergence vanishes without it"})
+        if persists:
+            current = candidate
+        else:
+            trigger.append(s.key)
+    labels = [BY_KEY[k].label for k in trigger]
+    if labels:
+        text = "trigger: " + " together with ".join(labels) if len(labels) <= 2 else \
+            "trigger: " + ", ".join(labels[:-1]) + " and " + labels[-1]
+        text += f" (no one of them can be switched off; {len(tried)} ablations run)"
+    else:
+        text = f"trigger: none of the optional features ({len(tried)} ablations; it diverges on the plainest case)"
+    return {"trigger": trigger, "labels": labels, "minimal_case": current.to_dict(),
+            "minimal_case_description": current.describe(), "tried": tried, "text": text}
+
+
+# ---- stages ------------------------------------------------------------------------------------------------
+
+def stages(verdict: Verdict, trigger: Optional[list] = None) -> dict:
+    """The first stage out of budget in pipeline order; the ones after it inherit it.
+    ``trigger``: feature keys (from `minimal_trigger`) to infer the stage when none are exposed."""
+    judged = {t.name[len("stage."):]: t for t in verdict.tensors if t.kind == "stage"}
+    exposed = [s for s in STAGE_ORDER if s in judged and s != "y"]
+    if exposed:
+        first = next((s for s in exposed if not judged[s].ok), None)
+        if first is not None:
+            later = [s for s in exposed[exposed.index(first) + 1:] if not judged[s].ok]
+            clean = [s for s in exposed[:exposed.index(first)]]
+            t = judged[first]
+            text = (f"first divergent stage: {first} ({STAGE_WORDS.get(first, first)}), ratio {t.ratio:.3g}x"
+                    + (f"; {', '.join(later)} inherit it" if later else "")
+                    + (f"; before it {', '.join(clean)} are within budget" if clean else ""))
+            return {"first": first, "inherit": later, "within_budget": clean, "exposed": exposed,
+                    "ratios": {s: _ratio(judged[s]) for s in exposed}, "inferred": False, "text": text}
+        after = exposed[-1]
+        inferred = _infer_from_trigger(trigger, after_stage=after)
+        text = (f"every exposed stage ({', '.join(exposed)}) is within budget: the divergence enters after "
+                f"{after}" + (f" — at {inferred} ({STAGE_WORDS.get(inferred, inferred)}), inferred from the "
+                              f"feature trigger" if inferred else ""))
+        return {"first": inferred, "inherit": [], "within_budget": exposed, "exposed": exposed,
+                "ratios": {s: _ratio(judged[s]) for s in exposed}, "inferred": bool(inferred),
+                "after": after, "text": text}
+    inferred = _infer_from_trigger(trigger)
+    if inferred:
+        text = (f"first divergent stage: {inferred} ({STAGE_WORDS.get(inferred, inferred)}) — inferred: the "
+                f"implementation exposes no stages, and the divergence needs "
+                f"{_stage_feature_label(trigger, inferred)}")
+    else:
+        text = "stage: not known (the implementation exposes no stage intermediates)"
+    return {"first": inferred, "inherit": [], "within_budget": [], "exposed": [], "ratios": {},
+            "inferred": bool(inferred), "text": text}
+
+
+STAGE_WORDS = {
+    "conv": "the causal conv1d", "dt": "dt processing (bias, softplus, limits)", "dA_cumsum": "the dA cumsum",
+    "chunk_states": "the per-chunk states", "passed_states": "state passing between chunks",
+    "CB": "C.B^T per chunk", "scan": "the chunk scan output", "skip": "the D skip", "gated": "the z gate",
+    "normed": "the gated RMSNorm", "y": "the output projection",
+}
+
+
+def _ratio(t: TensorVerdict):
+    return t.ratio if math.isfinite(t.ratio) else str(t.ratio)
+
+
+def _infer_from_trigger(trigger, after_stage: Optional[str] = None) -> Optional[str]:
+    """The earliest stage that exists only because of a trigger feature (after ``after_stage``)."""
+    if not trigger:
+        return None
+    owned = [BY_KEY[k].stage for k in trigger if k in BY_KEY and BY_KEY[k].stage]
+    if after_stage is not None:
+        owned = [s for s in owned if STAGE_ORDER.index(s) > STAGE_ORDER.index(after_stage)]
+    return min(owned, key=STAGE_ORDER.index) if owned else None
+
+
+def _stage_feature_label(trigger, stage) -> str:
+    return next(BY_KEY[k].label for k in trigger if k in BY_KEY and BY_KEY[k].stage == stage)
+
+
+# ---- coordinates -------------------------------------------------------------------------------------------
+
+def _ranges(values) -> str:
+    values = sorted(set(int(v) for v in values))
+    if not values:
+        return "none"
+    parts, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts)
+
+
+def _segment_of(case: Case):
+    """Per (row, token): (ordinal of its sequence in the row, offset from that sequence's start) or None."""
+    out = []
+    pads = case.padding or (0,) * case.batch
+    for row, pad in zip(case.segments, pads):
+        marks = []
+        for k, n in enumerate(row):
+            marks.extend((k, off) for off in range(n))
+        marks.extend([None] * pad)
+        out.append(marks)
+    return out
+
+
+def coordinates(t: TensorVerdict, case: Case) -> dict:
+    """Where tensor ``t``'s out-of-budget elements are, from its error map."""
+    if t.ratio_map is None:
+        return {"tensor": t.name, "text": f"{t.name}: no error map ({t.status})"}
+    m = t.ratio_map > 1.0
+    axes = t.map_axes
+    idx = m.nonzero().tolist()
+    res: dict = {"tensor": t.name, "out_of_budget": t.out_of_budget, "judged": t.judged}
+    if not idx:
+        res["text"] = f"{t.name}: nothing out of budget"
+        return res
+    heads, groups, batches, tokens, chunks, parts = set(), set(), set(), set(), set(), set()
+    per_row_tokens: dict = {}
+    channels = t.layout.channels if t.layout is not None else ()
+    for coord in idx:
+        for axis, i in zip(axes, coord):
+            if axis == "batch":
+                batches.add(i)
+            elif axis == "head":
+                heads.add(i)
+                groups.add(i // case.heads_per_group)
+            elif axis == "group":
+                groups.add(i)
+            elif axis == "token":
+                tokens.add(i)
+                chunks.add(i // case.chunk_size)
+            elif axis == "chunk":
+                chunks.add(i)
+            elif axis == "channel" and channels:
+                part, k = channels[i]
+                parts.add(part)
+                if part in ("z", "x", "dt", "ssm"):
+                    heads.add(k)
+                    groups.add(k // case.heads_per_group)
+                elif part in ("B", "C"):
+                    groups.add(k)
+        if "batch" in axes and "token" in axes:
+            per_row_tokens.setdefault(coord[axes.index("batch")], set()).add(coord[axes.index("token")])
+    words = []
+    head_axis = "head" in axes or any(p in ("z", "x", "dt", "ssm") for p in parts)
+    if head_axis and heads:
+        res["heads"] = sorted(heads)
+        res["nheads"] = case.nheads
+        some = len(heads) < case.nheads
+        words.append(f"heads {_ranges(heads)} of {case.nheads}" if some else f"all {case.nheads} heads")
+        if some and case.ngroups > 1:
+            words[-1] += f" (groups {_ranges(groups)} of {case.ngroups}; {case.heads_per_group} heads per group)"
+    if groups:
+        res["groups"] = sorted(groups)
+        if "group" in axes and not head_axis:
+            words.append(f"groups {_ranges(groups)} of {case.ngroups}")
+    if parts:
+        res["channel_parts"] = sorted(parts)
+    if batches:
+        res["batches"] = sorted(batches)
+        if case.batch > 1:
+            words.append(f"batch rows {_ranges(batches)} of {case.batch}")
+    if chunks and ("token" in axes or "chunk" in axes):
+        res["chunks"] = sorted(chunks)
+        res["nchunks"] = case.nchunks
+        words.append(f"chunks {_ranges(chunks)} of {case.nchunks}" if len(chunks) < case.nchunks
+                     else f"all {case.nchunks} chunks")
+        ragged = case.seqlen % case.chunk_size != 0
+        last = case.nchunks - 1
+        res["last_partial_chunk_only"] = bool(ragged and chunks == {last})
+        if res["last_partial_chunk_only"]:
+            words.append(f"only the last, partial chunk (tokens {last * case.chunk_size}-{case.seqlen - 1}, "
+                         f"{case.seqlen - last * case.chunk_size} of chunk_size {case.chunk_size})")
+    if tokens:
+        res["tokens"] = {"first": min(tokens), "last": max(tokens), "count": len(tokens)}
+        words.append(f"tokens {_ranges(tokens)}" if len(tokens) <= 12 else
+                     f"{len(tokens)} tokens from {min(tokens)} to {max(tokens)}")
+    if case.segments is not None and (tokens or chunks):
+        marks = _segment_of(case)
+        if per_row_tokens:
+            members = [marks[b][tok] for b, toks in per_row_tokens.items() for tok in toks if marks[b][tok]]
+        else:   # chunk-indexed: the sequence at each chunk's first token
+            rows = batches or set(range(case.batch))
+            members = [marks[b][c * case.chunk_size] for b in rows for c in chunks
+                       if c * case.chunk_size < case.seqlen and marks[b][c * case.chunk_size]]
+        if members:
+            after = all(k >= 1 for k, _ in members)
+            res["after_boundary_only"] = after
+            res["min_offset_after_boundary"] = min(off for k, off in members if k >= 1) \
+                if any(k >= 1 for k, _ in members) else None
+            if after:
+                words.append("only after a sequence boundary (every affected token belongs to a later sequence "
+                             f"of its row; the nearest is {res['min_offset_after_boundary']} tokens past its start)")
+            else:
+                res["in_first_sequence"] = True
+    res["text"] = f"{_label(t.name)}: " + "; ".join(words)
+    return res
+
+
+def _label(name: str) -> str:
+    return name.replace("stage.", "stage ").replace("grad.", "gradient of ")
+
+
+def configs(per_index: list) -> dict:
+    """Which autotune config indices diverge. ``per_index``: [(index, diverged, launches)] from a sweep."""
+    bad = [i for i, d, _ in per_index if d]
+    good = [i for i, d, _ in per_index if not d]
+    res = {"diverging": bad, "within_budget": good,
+           "launches": {i: [{"kernel": k, "config": c, "index": j, "of": n} for k, j, n, c in launches]
+                        for i, _, launches in per_index}}
+    if not per_index:
+        res["text"] = "autotune configs: not swept"
+    elif bad and good:
+        res["text"] = (f"autotune: diverges only with config index {_ranges(bad)} (within budget with "
+                       f"{_ranges(good)})")
+    elif bad:
+        res["text"] = f"autotune: diverges with every config index swept ({_ranges(bad)})"
+    else:
+        res["text"] = "autotune: no config diverges when re-run (flaky?)"
+    return res
+
+
+# ---- sides -------------------------------------------------------------------------------------------------
+
+STATUS_WORDS = {"diverged": "diverges from the float64 oracle", "nonfinite": "returns NaN/Inf where the oracle is finite",
+                "mismatch": "returns a missing, misshapen or mistyped result", "error": "raises an exception",
+                "crash": "crashes", "hang": "hangs"}
+
+
+def sides(verdicts: dict, pair: Optional[dict] = None) -> dict:
+    """``verdicts``: side name -> Verdict against the oracle (one or two sides). ``pair``: tensor -> ratio of
+    the two sides' difference to their joint budget."""
+    names = list(verdicts)
+    agree = [n for n in names if verdicts[n].ok]
+    diverge = [n for n in names if not verdicts[n].ok]
+    res = {"oracle_agrees_with": agree, "diverging": diverge,
+           "statuses": {n: verdicts[n].status for n in names}}
+    if pair:
+        res["pair_ratio"] = max(pair.values())
+    said = {n: STATUS_WORDS.get(verdicts[n].status, verdicts[n].status) for n in diverge}
+    if len(names) == 1:
+        res["text"] = f"{names[0]} {said[names[0]]}" if diverge else f"{names[0]} agrees with the float64 oracle"
+    elif len(agree) == 1:
+        res["text"] = f"the oracle agrees with {agree[0]}; {diverge[0]} {said[diverge[0]]}"
+    elif not agree:
+        together = bool(pair) and max(pair.values()) <= 1.0
+        res["text"] = ("the oracle agrees with neither side (" + "; ".join(f"{n} {said[n]}" for n in diverge) + ")" +
+                       ("; the two agree with each other (a shared bug, or different semantics)" if together else ""))
+    else:
+        res["text"] = "both sides agree with the oracle"
+    return res
+
+
+def describe_primary(verdict: Verdict, stage_result: Optional[dict]) -> Optional[TensorVerdict]:
+    """The tensor whose coordinates to report: the first divergent stage, else the worst output/gradient."""
+    if stage_result and stage_result.get("first") and not stage_result.get("inferred"):
+        t = verdict.tensor(f"stage.{stage_result['first']}")
+        if t is not None:
+            return t
+    judged = [t for t in verdict.tensors if t.kind != "stage" and not t.ok]
+    outputs = [t for t in judged if t.kind == "output" and t.ratio_map is not None]
+    pool = outputs or [t for t in judged if t.ratio_map is not None]
+    if not pool:
+        return None
+    return max(pool, key=lambda t: (t.name == "y", t.ratio if math.isfinite(t.ratio) else 0))
+
+
+def summarize(parts: list) -> str:
+    return "\n".join(p for p in parts if p)
+
+
+__all__ = ["SIMPLIFICATIONS", "simplify", "fit_case", "minimal_trigger", "stages", "coordinates", "configs",
+           "sides", "describe_primary"]

@@ -1,0 +1,588 @@
+"""The verdict: is an implementation's result within the error its dtype naturally makes?
+
+One rule for every output tensor, gradient and stage intermediate, for every shape, length and decay regime.
+
+The rule
+--------
+For a tensor with float64 oracle value ``t``, the implementation's value ``a`` and the same-precision
+baseline ``b`` (harness/baseline.py: a model chunked kernel computing the same case in float32 with the case
+dtype's rounding at every product operand and stored intermediate, TF32 products for fp32 on a GPU), the
+budget of element ``e`` is
+
+    budget_e = FACTOR * max_{cell(e)} |b - t|  +  u * (|t_e| + mean_{cell(e)} |t|)
+
+- a **cell** is the block of elements that share a batch row, a chunk of ``chunk_size`` tokens and a head
+  (or group, or the channels of one head in the mixer's channel-packed tensors); reduced axes are headdim,
+  dstate, the positions inside a chunk. The baseline's error is noisy element by element (it can be exactly
+  zero where the implementation's is not), so its *largest* error over the cell is the noise level; a cell
+  keeps the budget local, so an error in a head whose values are 1e-3 of the others is not hidden by them.
+  Cells smaller than MIN_CELL elements are merged (first across chunks, then across heads, then batch rows)
+  so that the maximum stays a stable statistic;
+- ``u`` is the unit roundoff of the tensor's storage dtype (2^-24 fp32, 2^-11 fp16, 2^-8 bf16; stages use
+  the case dtype): the **rounding floor**, which alone admits any implementation that computes exactly and
+  rounds once, and keeps the budget positive where the baseline happens to be exact;
+- ``FACTOR`` = 4 (see below).
+
+The verdict reports ``ratio = max_e |a_e - t_e| / budget_e`` (below 1: within budget; 40: broken), how many
+elements are out of budget, the worst element and where it is, the error measured as max abs and relative
+RMS, and the baseline's relative RMS for scale. Kept apart from "diverged":
+
+- ``nonfinite``: NaN or Inf where the oracle and the baseline are finite;
+- ``mismatch``: a missing output or gradient, a wrong shape, or a wrong dtype (y and gradients in the dtype
+  of their input, final/varlen states in float32; float64 results, the oracles', are accepted);
+- ``error`` (the implementation raised), ``crash`` (its process died: abort, segfault, a poisoned CUDA
+  context), ``hang`` (it ran past the timeout): harness/isolate.py produces the last two.
+
+Not judged: outputs and stage intermediates at padding tokens (seq_idx = -1) — their values are unspecified
+(the output cotangent is zero there, so gradients, which are judged everywhere, see none of them) — and C.B^T
+entries no token uses (j > i, across a sequence boundary, past the end). Elements where the baseline
+overflows the dtype (or the oracle is not finite) are out of the dtype's range: excluded and counted.
+
+Why FACTOR = 4
+--------------
+Measured on this CPU (Triton interpreter) with healthy implementations — mamba_ssm 2.3.2.post1
+mamba_chunk_scan_combined fp32 and fp16 with gradients, and the three float64 oracles' math run in float32
+and float16 — over generated cases spanning every feature and decay regime: the ratio needed by a healthy
+implementation (its error over the FACTOR=1 budget) has the distribution reported in harness/README.md
+("The verdict"); FACTOR is the smallest round number with 2x margin over the largest needed value seen. The
+anchors: FlashAttention's rule uses 2x a same-precision baseline's max error, torch._dynamo's ``same`` 2-3x a
+baseline's RMS; ours is per cell rather than per tensor, so it needs a little more room. Real bugs sit far
+above: the planted bugs in properties/test_fuzz.py land at 10^2-10^6.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from harness.case import Case
+from harness.inputs import Inputs, torch_dtype
+
+FACTOR = 4.0
+MIN_CELL = 16
+
+# Called as listener(case, verdict) after every `judge`: how `pytest --ssdiff-report` sees the verdicts that
+# properties reach (harness/report/pytest_plugin.py). Empty unless a listener is registered.
+JUDGE_LISTENERS: list = []
+
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
+                 torch.bfloat16: 2.0 ** -8}
+
+# Verdict statuses, least to most severe. "ok" is the only passing one.
+STATUSES = ("ok", "diverged", "nonfinite", "mismatch", "error", "crash", "hang")
+RUN_FAILURES = ("error", "crash", "hang")
+
+# Axes a budget cell / error map keeps (everything else is reduced inside a cell).
+LOCAL_AXES = ("batch", "seq", "chunk", "token", "head", "group", "channel")
+
+
+def severity(status: str) -> int:
+    return STATUSES.index(status)
+
+
+# ---- what each tensor's axes mean ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """One label per dimension: batch, token, chunk, head, group, seq, channel, and reduced ones (p, n, i, j,
+    tap, out). ``channels``: for a channel axis, one (part, index) per channel — part is z / x / dt / ssm
+    (index = head), B / C (index = group), swiglu or out (index 0)."""
+
+    axes: tuple
+    channels: tuple = ()
+
+
+def _mixer_channels(case: Case, parts) -> tuple:
+    out = []
+    for part, width in parts:
+        for c in range(width):
+            if part in ("z", "x", "ssm"):
+                out.append((part, c // case.headdim))
+            elif part in ("B", "C"):
+                out.append((part, c // case.dstate))
+            elif part == "dt":
+                out.append((part, c))
+            else:
+                out.append((part, 0))
+    return tuple(out)
+
+
+def layout_of(kind: str, name: str, case: Case) -> Layout:
+    """The axes of output / grad / stage ``name`` for ``case`` (the oracle's layouts)."""
+    gn = case.ngroups * case.dstate
+    ssm_width = ((("swiglu", case.d_nonssm),) if case.d_nonssm else ()) + (("ssm", case.dim),)
+    conv_parts = (("x", case.dim), ("B", gn), ("C", gn))
+    if kind == "output" or (kind == "stage" and name == "y"):
+        if name == "y":
+            if case.entry == "chunk_scan":
+                return Layout(("batch", "token", "head", "p"))
+            if case.out_dim is not None:
+                return Layout(("batch", "token", "channel"), _mixer_channels(case, (("out", case.out_dim),)))
+            return Layout(("batch", "token", "channel"), _mixer_channels(case, ssm_width))
+        if name == "final_states":
+            return Layout(("batch", "head", "p", "n"))
+        if name == "varlen_states":
+            return Layout(("seq", "head", "p", "n"))
+    if kind == "grad":
+        if name in ("x", "z"):
+            return Layout(("batch", "token", "head", "p"))
+        if name == "dt":
+            return Layout(("batch", "token", "head"))
+        if name in ("B", "C"):
+            return Layout(("batch", "token", "group", "n"))
+        if name in ("A", "dt_bias"):
+            return Layout(("head",))
+        if name == "D":
+            return Layout(("head",) if case.D == "head" else ("head", "p"))
+        if name == "initial_states":
+            return Layout(("batch", "head", "p", "n"))
+        if name == "zxbcdt":
+            parts = ((("swiglu", 2 * case.d_nonssm),) if case.d_nonssm else ()) + (("z", case.dim),) + conv_parts \
+                + (("dt", case.nheads),)
+            return Layout(("batch", "token", "channel"), _mixer_channels(case, parts))
+        if name == "conv1d_weight":
+            return Layout(("channel", "tap"), _mixer_channels(case, conv_parts))
+        if name == "conv1d_bias":
+            return Layout(("channel",), _mixer_channels(case, conv_parts))
+        if name == "rmsnorm_weight":
+            return Layout(("channel",), _mixer_channels(case, (("ssm", case.dim),)))
+        if name == "outproj_weight":
+            return Layout(("out", "channel"), _mixer_channels(case, ssm_width))
+        if name == "outproj_bias":
+            return Layout(("out",))
+    if kind == "stage":
+        if name == "conv":
+            return Layout(("batch", "token", "channel"), _mixer_channels(case, conv_parts))
+        if name in ("dt", "dA_cumsum"):
+            return Layout(("batch", "token", "head"))
+        if name in ("chunk_states", "passed_states"):
+            return Layout(("batch", "chunk", "head", "p", "n"))
+        if name == "CB":
+            return Layout(("batch", "chunk", "group", "i", "j"))
+        if name in ("scan", "skip", "gated"):
+            return Layout(("batch", "token", "head", "p"))
+        if name == "normed":
+            return Layout(("batch", "token", "channel"), _mixer_channels(case, ssm_width))
+    raise KeyError(f"no layout for {kind} {name!r}")
+
+
+def expected_dtype(kind: str, name: str, case: Case, inputs: Inputs) -> Optional[torch.dtype]:
+    """The dtype an implementation must return ``name`` in (None: not checked, e.g. stages)."""
+    if kind == "output":
+        return torch_dtype(case) if name == "y" else torch.float32
+    if kind == "grad":
+        return inputs.dtypes.get(name)
+    return None
+
+
+def storage_dtype(kind: str, name: str, case: Case, inputs: Inputs) -> torch.dtype:
+    """The dtype whose rounding floor applies (stages: the case dtype, as kernels may store them in it)."""
+    return expected_dtype(kind, name, case, inputs) or torch_dtype(case)
+
+
+# ---- which elements are judged ---------------------------------------------------------------------------
+
+def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, layout: Layout, shape) -> Optional[torch.Tensor]:
+    """Boolean mask of judged elements, or None for all. Excludes padding tokens of outputs and stages and the
+    C.B^T entries no token uses."""
+    device = inputs.device
+    if kind == "grad":
+        return None
+    seq = inputs.seq_idx
+    if "token" in layout.axes and seq is not None and bool((seq < 0).any()):
+        real = (seq >= 0)                                             # (b, L)
+        view = [1] * len(shape)
+        view[layout.axes.index("batch")] = shape[layout.axes.index("batch")]
+        view[layout.axes.index("token")] = shape[layout.axes.index("token")]
+        return real.reshape(view).expand(shape).to(device)
+    if kind == "stage" and name == "CB":
+        b, c, g, Q, _ = shape
+        L = case.seqlen
+        pos = torch.arange(c * Q, device=device)
+        if seq is not None:
+            seqs = torch.cat([seq.long().to(device), seq.new_full((b, c * Q - L), -1).long().to(device)], dim=1)
+        else:
+            seqs = torch.where(pos < L, 0, -1).expand(b, c * Q)
+        seqs = seqs.reshape(b, c, Q)
+        same = (seqs[:, :, :, None] == seqs[:, :, None, :]) & (seqs[:, :, :, None] >= 0)
+        causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=device))
+        return (same & causal)[:, :, None].expand(shape)
+    return None
+
+
+# ---- cells ---------------------------------------------------------------------------------------------
+
+def _axis_cell_index(axis: str, size: int, case: Case, layout: Layout, device) -> Optional[torch.Tensor]:
+    """Per-position cell coordinate along one axis (None: reduced inside a cell)."""
+    ar = torch.arange(size, device=device)
+    if axis == "token":
+        return ar // case.chunk_size
+    if axis in ("batch", "seq", "chunk", "head", "group"):
+        return ar
+    if axis == "channel":
+        keys = {}
+        return torch.tensor([keys.setdefault(ch, len(keys)) for ch in layout.channels], device=device)
+    return None
+
+
+# Which local axes are given up first when cells are too small.
+_COARSEN = (("token", "chunk"), ("head", "group", "channel"), ("batch", "seq"))
+
+
+def cell_ids(shape, layout: Layout, case: Case, device, min_cell: int = MIN_CELL) -> torch.Tensor:
+    """An int64 tensor of ``shape``: the budget cell of each element (dense ids from 0)."""
+    numel = math.prod(shape) if shape else 1
+    dropped: set = set()
+    for level in range(len(_COARSEN) + 1):
+        ids = torch.zeros(shape, dtype=torch.int64, device=device)
+        ncells = 1
+        for dim, (axis, size) in enumerate(zip(layout.axes, shape)):
+            if axis in dropped:
+                continue
+            coord = _axis_cell_index(axis, size, case, layout, device)
+            if coord is None:
+                continue
+            view = [1] * len(shape)
+            view[dim] = size
+            span = int(coord.max().item()) + 1 if size else 1
+            ids = ids * span + coord.reshape(view)
+            ncells *= span
+        if numel / max(ncells, 1) >= min_cell or level == len(_COARSEN):
+            break
+        dropped.update(_COARSEN[level])
+    _, dense = torch.unique(ids.reshape(-1), return_inverse=True)
+    return dense.reshape(shape)
+
+
+def _scatter(values: torch.Tensor, ids: torch.Tensor, ncells: int, reduce: str) -> torch.Tensor:
+    out = torch.zeros(ncells, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce(0, ids.reshape(-1), values.reshape(-1), reduce=reduce, include_self=False)
+
+
+# ---- one tensor ------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorVerdict:
+    """The verdict on one tensor. ``name`` is "y", "final_states", "grad.x", "stage.CB", ...
+
+    ratio: max error / budget over judged elements (inf for nonfinite / mismatch); out_of_budget / judged /
+    excluded: element counts; max_abs, rel_rms: the error; baseline_rel_rms: the baseline's; worst: the worst
+    element (index, coordinates, actual, expected, budget); ratio_map: per-element ratio reduced to the local
+    axes (kept for localization, not serialized)."""
+
+    name: str
+    kind: str
+    status: str
+    ratio: float = 0.0
+    judged: int = 0
+    out_of_budget: int = 0
+    excluded: int = 0
+    out_of_range: int = 0
+    max_abs: float = 0.0
+    rel_rms: float = 0.0
+    baseline_rel_rms: float = 0.0
+    worst: Optional[dict] = None
+    detail: str = ""
+    layout: Optional[Layout] = None
+    ratio_map: Optional[torch.Tensor] = field(default=None, repr=False)
+    map_axes: tuple = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in ("name", "kind", "status", "judged", "out_of_budget", "excluded",
+                                             "out_of_range", "max_abs", "rel_rms", "baseline_rel_rms", "worst",
+                                             "detail")}
+        out["ratio"] = _json_float(self.ratio)
+        for k in ("max_abs", "rel_rms", "baseline_rel_rms"):
+            out[k] = _json_float(out[k])
+        return out
+
+    def message(self, impl: str) -> str:
+        label = _label(self.name)
+        if self.status == "mismatch":
+            return f"{impl}: {label}: {self.detail}"
+        if self.status == "nonfinite":
+            return f"{impl}: {label}: {self.detail}"
+        w = self.worst or {}
+        pct = 100.0 * self.out_of_budget / max(self.judged, 1)
+        head = (f"{impl}: {label} {'diverges from' if self.status == 'diverged' else 'is within budget of'} the "
+                f"float64 oracle: {self.out_of_budget:,} / {self.judged:,} elements ({pct:.1f}%) out of budget")
+        if not w:
+            return head
+        where = ", ".join(f"{k} {v}" for k, v in w.get("coords", {}).items())
+        return (f"{head}.\n  Greatest error {w['error']:.3g} at index {tuple(w['index'])} ({where}): actual "
+                f"{w['actual']:.6g}, expected {w['expected']:.6g}; budget there {w['budget']:.3g} "
+                f"(ratio {self.ratio:.3g}x).\n  Relative RMS error {self.rel_rms:.3g} (same-precision baseline "
+                f"{self.baseline_rel_rms:.3g}); max abs error {self.max_abs:.3g}."
+                + (f"\n  {self.excluded:,} elements not judged (padding tokens / unused entries)." if self.excluded else "")
+                + (f"\n  {self.out_of_range:,} elements beyond the dtype's range (excluded)." if self.out_of_range else ""))
+
+
+def _label(name: str) -> str:
+    if name.startswith("grad."):
+        return f"gradient of {name[5:]}"
+    if name.startswith("stage."):
+        return f"stage {name[6:]}"
+    return f"output {name}"
+
+
+def _json_float(x):
+    if x is None:
+        return None
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _coords(index, layout: Layout, case: Case) -> dict:
+    """Human coordinates of one element: batch, token (and its chunk), head, group, ..."""
+    out = {}
+    for axis, i in zip(layout.axes, index):
+        if axis == "token":
+            out["token"] = i
+            out["chunk"] = i // case.chunk_size
+        elif axis == "channel" and layout.channels:
+            part, k = layout.channels[i]
+            out["channel"] = i
+            if part in ("z", "x", "dt", "ssm"):
+                out["head"] = k
+                out["group"] = k // case.heads_per_group
+            elif part in ("B", "C"):
+                out["group"] = k
+            out["part"] = part
+        elif axis == "head":
+            out["head"] = i
+            out["group"] = i // case.heads_per_group
+        elif axis in ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out"):
+            out[axis] = i
+    return out
+
+
+def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.Tensor, case: Case,
+                 inputs: Inputs, factor: float = FACTOR, reference: Optional[torch.Tensor] = None) -> TensorVerdict:
+    """Judge one tensor. ``actual`` may be None (missing), any dtype/device; truth and base are float64.
+    ``reference``: measure the error against it instead of ``truth`` (the budget still comes from truth and
+    base) — used to compare two implementations."""
+    short = name.split(".", 1)[-1]
+    layout = layout_of(kind, short, case)
+    if actual is None:
+        return TensorVerdict(name, kind, "mismatch", math.inf, detail="missing: the implementation did not return it",
+                             layout=layout)
+    if not isinstance(actual, torch.Tensor):
+        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+                             detail=f"expected a tensor, got {type(actual).__name__}")
+    if tuple(actual.shape) != tuple(truth.shape):
+        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+                             detail=f"shape {tuple(actual.shape)}, expected {tuple(truth.shape)}")
+    want = expected_dtype(kind, short, case, inputs)
+    if want is not None and actual.dtype != want and actual.dtype != torch.float64:
+        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+                             detail=f"dtype {str(actual.dtype).replace('torch.', '')}, expected "
+                                    f"{str(want).replace('torch.', '')}")
+    device = truth.device
+    a = actual.detach().to(device=device, dtype=torch.float64)
+    t = truth.detach().to(torch.float64)
+    b = [x.detach().to(device=device, dtype=torch.float64) for x in (base if isinstance(base, (list, tuple))
+                                                                      else [base])]
+    ref = t if reference is None else reference.detach().to(device=device, dtype=torch.float64)
+    mask = judged_mask(kind, short, case, inputs, layout, t.shape)
+    judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(device)
+    in_range = torch.isfinite(t) & torch.isfinite(ref)
+    for sample in b:
+        in_range &= torch.isfinite(sample)
+    out_of_range = int((judged & ~in_range).sum())
+    excluded = int((~judged).sum())
+    judged = judged & in_range
+    n_judged = int(judged.sum())
+
+    bad = judged & ~torch.isfinite(a)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        count = int(bad.sum())
+        kinds = []
+        if bool(torch.isnan(a[bad]).any()):
+            kinds.append("NaN")
+        if bool(torch.isinf(a[bad]).any()):
+            kinds.append("Inf")
+        where = ", ".join(f"{k} {v}" for k, v in _coords(first, layout, case).items())
+        inf_map, map_axes = _reduce_map(torch.where(bad, math.inf, 0.0).to(torch.float64), layout)
+        return TensorVerdict(name, kind, "nonfinite", math.inf, judged=n_judged, out_of_budget=count,
+                             ratio_map=inf_map, map_axes=map_axes,
+                             excluded=excluded, out_of_range=out_of_range, layout=layout,
+                             detail=(f"{count:,} / {n_judged:,} elements are {' and '.join(kinds)} where the oracle "
+                                     f"is finite; the first at index {first} ({where}), expected {float(ref[first]):.6g}"),
+                             worst={"index": list(first), "coords": _coords(first, layout, case),
+                                    "actual": _json_float(a[first]), "expected": float(ref[first])})
+
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    err = torch.where(judged, (a - ref).abs(), zero)
+    budget, noise, ids, berr, tabs = element_budget(t, b, judged, layout, case,
+                                                    UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)
+    ratio = torch.where(judged & (err > 0), err / budget.clamp(min=torch.finfo(torch.float64).tiny), zero)
+
+    tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, layout=layout)
+    if n_judged == 0:
+        return tv
+    tv.ratio = float(ratio.max())
+    tv.out_of_budget = int((ratio > 1.0).sum())
+    tv.max_abs = float(err.max())
+    norm_t = float(tabs.pow(2).sum().sqrt())
+    scale = norm_t if norm_t > 0 else 1.0
+    tv.rel_rms = float(err.pow(2).sum().sqrt()) / scale
+    tv.baseline_rel_rms = float(berr.pow(2).sum().sqrt()) / scale
+    flat = int(ratio.reshape(-1).argmax())
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape))
+    tv.worst = {"index": list(index), "coords": _coords(index, layout, case), "actual": float(a[index]),
+                "expected": float(ref[index]), "error": float(err[index]), "budget": float(budget[index]),
+                "baseline_error": float(berr[index]), "cell_noise": float(noise[ids[index]])}
+    tv.status = "diverged" if tv.ratio > 1.0 else "ok"
+    tv.ratio_map, tv.map_axes = _reduce_map(ratio, layout)
+    return tv
+
+
+def element_budget(t, b, judged, layout: Layout, case: Case, u: float, factor: float = FACTOR):
+    """The budget of every element (see the module docstring) for oracle ``t`` and baseline samples ``b``
+    (a list of tensors). Returns (budget, cell noise, cell ids, baseline error, |t|), masked by ``judged``."""
+    zero = torch.zeros((), dtype=torch.float64, device=t.device)
+    berr = torch.where(judged, torch.stack([(x - t).abs() for x in b]).amax(0), zero)
+    tabs = torch.where(judged, t.abs(), zero)
+    ids = cell_ids(tuple(t.shape), layout, case, t.device)
+    ncells = int(ids.max().item()) + 1 if ids.numel() else 1
+    noise = _scatter(berr, ids, ncells, "amax")
+    counts = _scatter(judged.to(torch.float64), ids, ncells, "sum")
+    mean_abs = _scatter(tabs, ids, ncells, "sum") / counts.clamp(min=1)
+    budget = factor * (noise[ids] + u * (tabs + mean_abs[ids]))
+    return budget, noise, ids, berr, tabs
+
+
+def _reduce_map(ratio: torch.Tensor, layout: Layout):
+    """Max ratio over the non-local axes: a small map over (batch, token/chunk, head/group/channel, seq)."""
+    keep = [i for i, a in enumerate(layout.axes) if a in LOCAL_AXES]
+    drop = [i for i in range(ratio.dim()) if i not in keep]
+    m = ratio.amax(dim=drop) if drop else ratio
+    return m.to("cpu", torch.float32), tuple(layout.axes[i] for i in keep)
+
+
+# ---- a whole run -----------------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    """The verdict on one implementation's run of one case against the oracle.
+
+    status: the most severe of its tensors' statuses, or error / crash / hang for the run itself (then
+    ``detail`` says what happened). ratio: the largest finite ratio over judged tensors."""
+
+    impl: str
+    status: str
+    ratio: float = 0.0
+    tensors: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def failing(self) -> list:
+        return [t for t in self.tensors if not t.ok]
+
+    def tensor(self, name: str) -> Optional[TensorVerdict]:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    def worst(self) -> Optional[TensorVerdict]:
+        """The tensor to show first: the most severe status, then the largest ratio (outputs before grads)."""
+        if not self.tensors:
+            return None
+        return max(self.tensors, key=lambda t: (severity(t.status), t.ratio if math.isfinite(t.ratio) else 1e308,
+                                                t.kind == "output"))
+
+    def message(self) -> str:
+        if self.status in RUN_FAILURES:
+            what = {"error": "raised an exception", "crash": "crashed", "hang": "hung"}[self.status]
+            return f"{self.impl} {what}: {self.detail}"
+        bad = self.failing
+        if not bad:
+            w = self.worst()
+            tail = f" (largest ratio {self.ratio:.3g}x, {w.name})" if w else ""
+            return f"{self.impl}: every output and gradient within budget{tail}"
+        lines = [t.message(self.impl) for t in sorted(bad, key=lambda t: (-severity(t.status), -_finite(t.ratio)))]
+        others = len(bad) - 3
+        text = "\n".join(lines[:3])
+        if others > 0:
+            text += f"\n  ... and {others} more tensors out of budget: " + ", ".join(t.name for t in bad[3:])
+        return text
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "status": self.status, "ratio": _json_float(self.ratio), "detail": self.detail,
+                "seconds": round(self.seconds, 3), "notes": list(self.notes),
+                "tensors": [t.to_dict() for t in self.tensors], "message": self.message()}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 1e308
+
+
+def failed_run(impl: str, status: str, detail: str, seconds: float = 0.0) -> Verdict:
+    """The verdict on a run that produced nothing: error, crash or hang."""
+    assert status in RUN_FAILURES, status
+    return Verdict(impl=impl, status=status, ratio=math.inf, detail=detail, seconds=seconds)
+
+
+def judge(impl: str, case: Case, inputs: Inputs, outputs, truth, base, stages: bool = False,
+          factor: float = FACTOR, seconds: float = 0.0) -> Verdict:
+    """Judge an implementation's ``outputs`` (harness.impls.Outputs) against the oracle's ``truth`` with the
+    baseline ``base`` (both harness.oracle.Evaluation): every output and gradient the oracle has, and with
+    ``stages`` every stage both sides expose (named "stage.<name>")."""
+    bases = list(base) if isinstance(base, (list, tuple)) else [base]
+    tensors = []
+    for name, value in truth.outputs.items():
+        tensors.append(judge_tensor(name, "output", outputs.outputs.get(name), value,
+                                    [e.outputs[name] for e in bases], case, inputs, factor))
+    for name, value in truth.grads.items():
+        tensors.append(judge_tensor(f"grad.{name}", "grad", outputs.grads.get(name), value,
+                                    [e.grads[name] for e in bases], case, inputs, factor))
+    if stages:
+        for name, value in truth.stages.items():
+            if name in outputs.stages and name in bases[0].stages:
+                tensors.append(judge_tensor(f"stage.{name}", "stage", outputs.stages[name], value,
+                                            [e.stages[name] for e in bases], case, inputs, factor))
+    judged = [t for t in tensors if t.kind != "stage"]
+    status = max((t.status for t in judged), key=severity, default="ok")
+    finite = [t.ratio for t in judged if math.isfinite(t.ratio)]
+    ratio = max(finite, default=0.0) if status in ("ok", "diverged") else math.inf
+    verdict = Verdict(impl=impl, status=status, ratio=ratio, tensors=tensors, notes=list(getattr(outputs, "notes", [])),
+                      seconds=seconds)
+    for listener in JUDGE_LISTENERS:
+        listener(case, verdict)
+    return verdict
+
+
+def disagreement(case: Case, inputs: Inputs, a, b, truth, base, factor: float = FACTOR) -> dict:
+    """How far two implementations' results are from each other, per tensor, as a ratio to their joint
+    budget (twice one budget: by the triangle inequality two results each within budget of the oracle are
+    within it of each other). Tensors either side lacks (or got wrong in shape) are left out."""
+    out = {}
+    bases = list(base) if isinstance(base, (list, tuple)) else [base]
+    pairs = [("output", k, k, a.outputs.get(k), b.outputs.get(k), truth.outputs[k], [e.outputs[k] for e in bases])
+             for k in truth.outputs]
+    pairs += [("grad", f"grad.{k}", k, a.grads.get(k), b.grads.get(k), truth.grads[k], [e.grads[k] for e in bases])
+              for k in truth.grads]
+    for kind, label, _, va, vb, t, bb in pairs:
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)) or va.shape != t.shape \
+                or vb.shape != t.shape:
+            continue
+        tv = judge_tensor(label, kind, va.to(torch.float64), t, bb, case, inputs, 2 * factor,
+                          reference=vb.to(torch.float64))
+        out[label] = tv.ratio
+    return out

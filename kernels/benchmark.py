@@ -1,0 +1,184 @@
+"""Speed and accuracy of ssdiff's SSD kernels next to mamba_chunk_scan_combined and fla's chunk_simple_gla.
+
+Not a test. On a CUDA GPU (an H200 for kernels/BENCHMARKS.md):
+
+    python -m kernels.benchmark                       # the five shapes of issue 7, bf16, markdown table
+    python -m kernels.benchmark --shapes 2,4096,32,64,128,8 --dtype float16 --markdown out.md
+
+Per shape (batch, seqlen, nheads, headdim, dstate, ngroups), chunk 256, Mamba-2-like inputs (D per head,
+dt_bias, softplus; no z, no seq_idx), it prints for each implementation:
+- forward and forward+backward milliseconds (triton.testing.do_bench median; autotuning done in warmup);
+- the relative RMS error of y against the float64 chunked oracle (harness.oracle.chunked), computed on the
+  heads of the first ``--error-groups`` groups (the float64 oracle of a whole 65536-token shape is too big);
+- the memory-traffic lower bound: the bytes a kernel must at least move (read x, dt, B, C; write y — and for
+  the backward also read dy and write dx, ddt, dB, dC), divided by --bandwidth (4.3 TB/s: H200 HBM3e, as the
+  issue asks; the datasheet says 4.8).
+
+fla has no grouped B/C: they are expanded to heads (repeat_interleave) and v = x * dt', g = dt' * A are formed
+in torch, all inside the timed region (that is what using fla for SSD costs); y = o + D x likewise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(8, 2048, 32, 64, 128, 1), (8, 2048, 32, 64, 128, 8), (4, 8192, 64, 64, 128, 8),
+          (2, 16384, 128, 64, 128, 8), (1, 65536, 128, 64, 128, 8)]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def make_inputs(shape, dtype, device, seed=0):
+    b, L, h, p, n, g = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, L, h, p, device=device, generator=gen).to(dtype)
+    dt = (torch.randn(b, L, h, device=device, generator=gen) * 0.7 - 1.5).to(dtype)
+    dt_bias = (torch.randn(h, device=device, generator=gen) * 0.5 - 1.5).float()
+    A = -torch.exp(torch.rand(h, device=device, generator=gen) * math.log(16.0)).float()
+    B = torch.randn(b, L, g, n, device=device, generator=gen).to(dtype)
+    C = torch.randn(b, L, g, n, device=device, generator=gen).to(dtype)
+    D = torch.randn(h, device=device, generator=gen).float()
+    dy = torch.randn(b, L, h, p, device=device, generator=gen).to(dtype)
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, dt_bias=dt_bias), dy
+
+
+def run_ssdiff(t, Q):
+    from kernels.ssd.combined import ssd_chunk_scan_combined
+    return ssd_chunk_scan_combined(t["x"], t["dt"], t["A"], t["B"], t["C"], Q, D=t["D"], dt_bias=t["dt_bias"],
+                                   dt_softplus=True)
+
+
+def run_mamba(t, Q):
+    from harness import upstream
+    fn = upstream.mamba_ssm().ssd_combined.mamba_chunk_scan_combined
+    return fn(t["x"], t["dt"], t["A"], t["B"], t["C"], Q, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+
+
+def run_fla(t, Q):
+    from harness import upstream
+    fn = upstream.fla().simple_gla.chunk_simple_gla
+    x, h, g = t["x"], t["x"].shape[2], t["B"].shape[2]
+    d = F.softplus(t["dt"].float() + t["dt_bias"])
+    q = t["C"].repeat_interleave(h // g, dim=2)
+    k = t["B"].repeat_interleave(h // g, dim=2)
+    v = (x.float() * d[..., None]).to(x.dtype)
+    o, _ = fn(q, k, v, g=d * t["A"], scale=1.0)
+    return (o.float() + t["D"][:, None] * x.float()).to(x.dtype)
+
+
+IMPLS = {"ssdiff.triton": run_ssdiff, "mamba_chunk_scan_combined": run_mamba, "fla.chunk_simple_gla": run_fla}
+
+
+def traffic_bytes(shape, dtype):
+    b, L, h, p, n, g = shape
+    e = torch.tensor([], dtype=dtype).element_size()
+    fwd = e * (2 * b * L * h * p + b * L * h + 2 * b * L * g * n)                   # x, dt, B, C in; y out
+    bwd = e * (3 * b * L * h * p + 2 * b * L * h + 4 * b * L * g * n)               # x, dy in, dx out; dt, ddt; B, C, dB, dC
+    return fwd, fwd + bwd
+
+
+def oracle_error(t, outs: dict, Q, groups: int):
+    """Relative RMS error of each y against the float64 chunked oracle, on the heads of the first groups."""
+    from harness.oracle.chunked import scan
+    h, g = t["x"].shape[2], t["B"].shape[2]
+    hg = (h // g) * min(groups, g)
+    gg = min(groups, g)
+    sl = lambda v: v[:, :, :hg].double()
+    ref = scan(sl(t["x"]), sl(t["dt"]), t["A"][:hg].double(), t["B"][:, :, :gg].double(),
+               t["C"][:, :, :gg].double(), chunk_size=Q, D=t["D"][:hg].double(), dt_bias=t["dt_bias"][:hg].double(),
+               dt_softplus=True).y
+    errs = {}
+    for name, y in outs.items():
+        d = y[:, :, :hg].double() - ref
+        errs[name] = (d.norm() / ref.norm()).item()
+    del ref
+    return errs
+
+
+def bench(fn, warmup=10, rep=50):
+    import triton
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", help="b,L,h,p,n,g (default: the five of issue 7)")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the lower bound")
+    ap.add_argument("--error-groups", type=int, default=1, help="groups whose heads the oracle error covers")
+    ap.add_argument("--impls", nargs="*", default=list(IMPLS))
+    ap.add_argument("--markdown", help="also write the table (with date, versions, GPU) to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from harness import runtime
+    runtime.configure()
+    import triton
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    dtype = DTYPES[args.dtype]
+    Q = args.chunk_size
+    dev = "cuda"
+    versions = [f"torch {torch.__version__}", f"triton {triton.__version__}", f"python {platform.python_version()}"]
+    for label, get in (("mamba-ssm", lambda: __import__("harness.upstream", fromlist=["x"]).mamba_ssm().version),
+                       ("fla-core", lambda: __import__("harness.upstream", fromlist=["x"]).fla().version)):
+        try:
+            versions.append(f"{label} {get()}")
+        except Exception as err:  # noqa: BLE001 - report and go on
+            versions.append(f"{label} unavailable ({type(err).__name__}: {err})")
+    head = (f"{datetime.date.today().isoformat()} | {torch.cuda.get_device_name()} | {args.dtype} | chunk {Q} | "
+            + ", ".join(versions))
+    print(head)
+    rows = []
+    for shape in shapes:
+        t, dy = make_inputs(shape, dtype, dev)
+        fwd_b, all_b = traffic_bytes(shape, dtype)
+        lb_f, lb_a = fwd_b / args.bandwidth * 1e3, all_b / args.bandwidth * 1e3
+        outs = {}
+        timings = {}
+        for name in args.impls:
+            fn = IMPLS[name]
+            try:
+                with torch.no_grad():
+                    outs[name] = fn(t, Q)
+                    ms_f = bench(lambda: fn(t, Q))
+                leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
+
+                def fwd_bwd():
+                    y = fn(leaves, Q)
+                    torch.autograd.backward(y, dy)
+
+                ms_a = bench(fwd_bwd, warmup=5, rep=30)
+                timings[name] = (ms_f, ms_a)
+            except Exception as err:  # noqa: BLE001
+                timings[name] = (float("nan"), float("nan"))
+                print(f"  {name} failed at {shape}: {type(err).__name__}: {err}", file=sys.stderr)
+            torch.cuda.empty_cache()
+        errs = oracle_error(t, outs, Q, args.error_groups) if outs else {}
+        for name in args.impls:
+            ms_f, ms_a = timings[name]
+            row = (shape, name, ms_f, ms_a, errs.get(name, float("nan")), lb_f, lb_a)
+            rows.append(row)
+            print(f"{str(shape):32s} {name:26s} fwd {ms_f:8.3f} ms  fwd+bwd {ms_a:8.3f} ms  "
+                  f"rel.err(y) {row[4]:.2e}  bound fwd {lb_f:.3f} ms  fwd+bwd {lb_a:.3f} ms", flush=True)
+        del t, dy, outs
+        torch.cuda.empty_cache()
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(f"# SSD kernel benchmark\n\n{head}\n\n")
+            f.write("| (b, L, h, p, n, g) | implementation | fwd ms | fwd+bwd ms | rel. RMS err of y vs fp64 | "
+                    "traffic bound fwd ms | traffic bound fwd+bwd ms |\n|---|---|---|---|---|---|---|\n")
+            for shape, name, ms_f, ms_a, err, lb_f, lb_a in rows:
+                f.write(f"| {shape} | {name} | {ms_f:.3f} | {ms_a:.3f} | {err:.2e} | {lb_f:.3f} | {lb_a:.3f} |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Mamba-2 SSD (state space duality) kernels: stages, backward, combined autograd entry, mixer."""

@@ -1,0 +1,74 @@
+"""Pieces shared by the SSD kernels: small @triton.jit helpers and the launch helper.
+
+Conventions (every kernel):
+- x, z, dy: (b, L, h, p); dt: (b, L, h); B, C: (b, L, g, n); seq_idx: (b, L) int32 — any strides.
+- Chunk-major fp32 intermediates: dt_out and dA_cumsum (b, h, c, Q); CB (b, c, g, Q, Q); chunk states,
+  passed states (b, c, h, p, n); final states (b, h, p, n). Positions past L inside the last chunk behave
+  like tokens with dt = 0 of the same sequence as the last real token (they change nothing).
+- Program ids are cast to int64 before they meet a stride, so offsets past 2**31 elements are safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.ssd import configs
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + e^x) for x <= 20 (log1p made accurate for small e^x, Kahan's trick), x above."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    return tl.where(x <= 20.0, lp, x)
+
+
+@triton.jit
+def seq_bounds(seq_idx, o_seq, s_seq_l, i_c, L, Q, HAS_SEQ_IDX: tl.constexpr):
+    """(seq of the chunk's last token, seq of the token before the chunk — 0 for the first chunk).
+    ``o_seq``: offset of the batch row in seq_idx."""
+    if HAS_SEQ_IDX:
+        p_seq = seq_idx + o_seq
+        i_end = tl.minimum((i_c + 1) * Q, L) - 1
+        seq_last = tl.load(p_seq + i_end.to(tl.int64) * s_seq_l)
+        seq_prev = tl.load(p_seq + (i_c * Q - 1).to(tl.int64) * s_seq_l, mask=i_c > 0, other=0)
+    else:
+        seq_last = 0
+        seq_prev = 0
+    return seq_last, seq_prev
+
+
+@triton.jit
+def load_seq(seq_idx, o_seq, s_seq_l, o_t, m_t, L, seq_last, HAS_SEQ_IDX: tl.constexpr):
+    """seq_idx of tokens ``o_t`` (positions past L take ``seq_last``: they are dt = 0 fill)."""
+    if HAS_SEQ_IDX:
+        p_seq = seq_idx + o_seq
+        b_seq = tl.load(p_seq + o_t.to(tl.int64) * s_seq_l, mask=m_t & (o_t < L), other=0)
+        b_seq = tl.where(o_t < L, b_seq, seq_last)
+    else:
+        b_seq = tl.zeros(o_t.shape, dtype=tl.int32)
+    return b_seq
+
+
+def launch(name: str, kernel, grid_fn, args: tuple, key: tuple, meta_fn=None, **const):
+    """Launch ``kernel`` with the configuration chosen for ``name`` (kernels.ssd.configs policy).
+
+    grid_fn(cfg) -> grid; meta_fn(cfg) -> dict of block-size constexprs (clamped to the problem)."""
+    def run(cfg):
+        meta = meta_fn(cfg) if meta_fn else {}
+        kernel[grid_fn(meta)](*args, **meta, **const, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    cfg = configs.choose(name, key, run)
+    run(cfg)
+    return cfg
+
+
+def strides(t, ndim):
+    return tuple(t.stride()) if t is not None else (0,) * ndim
+
+
+def dot_dtype(dtype: torch.dtype):
+    return dtype

@@ -1,0 +1,179 @@
+"""`ssdiff fuzz` finds planted bugs and localizes them; crashing, hanging and raising implementations become
+verdicts under --isolate and the run goes on; the exit status says what happened.
+
+The implementations are the test doubles of harness/doubles.py (importable by the isolated child process):
+a toy chunked kernel with a planted bug, the fused mixer with the seed-000 norm bug, and misbehaving ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from harness import localize
+from harness.case import Case
+from harness.cli import main
+from harness.fuzz import FuzzConfig, Fuzzer, UsageError
+from harness.verdict import Verdict
+
+
+def fuzz(impl, out, **kw):
+    kw.setdefault("max_time", None)
+    kw.setdefault("seed", 4)
+    config = FuzzConfig(impl=impl, out_dir=str(out), report_dir=None, **kw)
+    return Fuzzer(config).run()
+
+
+def only_finding(report):
+    assert report.exit_code == 1, f"nothing found in {report.tried} cases ({report.stopped})"
+    return report.findings[0]
+
+
+# ---- planted bugs: found, and localized to the right stage, coordinates and features --------------------
+
+def test_group_index_bug_is_found_in_chunk_states_on_the_misgrouped_heads(tmp_path):
+    spec = "harness.doubles:group_bug"
+    finding = only_finding(fuzz(spec, tmp_path, max_examples=300, pass_="forward", dtypes=("float32",)))
+    case = finding.outcome.case
+    side = finding.localization["per_side"][spec]
+    assert side["stages"]["first"] == "chunk_states" and not side["stages"]["inferred"]
+    assert "dt" in side["stages"]["within_budget"] and "CB" not in side["stages"]["within_budget"]
+    coords = side["coordinates"][0]
+    assert coords["tensor"] == "stage.chunk_states"
+    r = case.heads_per_group
+    misgrouped = {h for h in range(case.nheads) if h % case.ngroups != h // r}
+    assert set(coords["heads"]) == misgrouped and len(misgrouped) < case.nheads
+    assert "groups" in finding.localization["features"]["trigger"]
+
+
+def test_state_not_reset_at_boundaries_is_found_in_passed_states_after_a_boundary(tmp_path):
+    spec = "harness.doubles:reset_bug"
+    finding = only_finding(fuzz(spec, tmp_path, max_examples=300, pass_="forward", dtypes=("float32",)))
+    side = finding.localization["per_side"][spec]
+    assert side["stages"]["first"] == "passed_states"
+    assert side["stages"]["within_budget"] == ["dt", "dA_cumsum", "chunk_states"]
+    for coords in side["coordinates"]:
+        assert coords["after_boundary_only"], coords["text"]
+    assert "seq_idx" in finding.localization["features"]["trigger"]
+
+
+def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path):
+    spec = "harness.doubles:mask_bug"
+    finding = only_finding(fuzz(spec, tmp_path, max_examples=300, pass_="forward", dtypes=("float32",)))
+    side = finding.localization["per_side"][spec]
+    assert side["stages"]["first"] == "scan"
+    coords = side["coordinates"][0]
+    assert coords["tensor"] == "stage.scan" and coords["last_partial_chunk_only"], coords["text"]
+    assert finding.localization["features"]["trigger"] == ["ragged"]
+    # the simplified case keeps the divergence and is a ragged case with no other optional feature on
+    minimal = Case.from_dict(finding.localization["features"]["minimal_case"])
+    assert minimal.seqlen % minimal.chunk_size and minimal.segments is None and not minimal.has_z
+
+
+def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path):
+    spec = "harness.doubles:mask_bug"
+    report = fuzz(spec, tmp_path, max_examples=300, pass_="forward", dtypes=("float32",))
+    finding = only_finding(report)
+    folder = finding.path
+    assert sorted(os.listdir(folder))[:3] == ["case.json", "error_maps.json", "message.txt"]
+    case = Case.load(os.path.join(folder, "case.json"))
+    assert case == finding.outcome.case
+    record = json.load(open(os.path.join(folder, "verdict.json"), encoding="utf-8"))
+    assert record["verdicts"][spec]["status"] in ("diverged", "nonfinite")
+    assert record["localization"]["per_side"][spec]["stages"]["first"] == "scan"
+    summary = json.load(open(os.path.join(str(tmp_path), "summary.json"), encoding="utf-8"))
+    assert summary["cases_tried"] == report.tried and summary["divergences"][0]["path"] == folder
+    assert summary["first_divergence_after_s"] is not None
+    # replay: the saved case diverges again, the same way
+    again = Fuzzer(FuzzConfig(impl=spec, max_examples=1, report_dir=None, out_dir=str(tmp_path / "replay")))
+    outcome = again.examine(case)
+    assert outcome.verdicts[spec].status == record["verdicts"][spec]["status"]
+
+
+def test_the_oracle_is_said_to_agree_with_the_correct_side_and_the_seed_bug_is_localized(tmp_path):
+    good, bad = "harness.doubles:mixer", "harness.doubles:mixer_norm_bug"
+    finding = only_finding(fuzz(good, tmp_path, against=bad, max_examples=200, pass_="forward",
+                                dtypes=("float32",)))
+    loc = finding.localization
+    assert loc["sides"]["oracle_agrees_with"] == [good] and loc["sides"]["diverging"] == [bad]
+    assert loc["sides"]["text"].startswith(f"the oracle agrees with {good}")
+    stages = loc["per_side"][bad]["stages"]
+    assert stages["first"] == "normed" and not stages["inferred"]
+    assert set(loc["features"]["trigger"]) == {"groups", "rmsnorm"}
+    assert finding.outcome.pair["y"] > 1
+
+
+def test_without_exposed_stages_the_stage_is_inferred_from_the_trigger():
+    verdict = Verdict(impl="ref-like", status="diverged", ratio=50.0)
+    st = localize.stages(verdict, trigger=["groups", "rmsnorm"])
+    assert st["first"] == "normed" and st["inferred"]
+    assert "gated RMSNorm" in st["text"] and "inferred" in st["text"]
+    assert localize.stages(verdict, trigger=["groups"])["first"] is None
+
+
+def test_healthy_implementations_raise_no_alarm(tmp_path):
+    report = fuzz("harness.doubles:healthy", tmp_path / "toy", max_examples=25, pass_="mixed",
+                  dtypes=("float32", "float16"))
+    assert report.exit_code == 0 and report.tried == 25
+    assert max(w["ratio"] for w in report.worst.values()) < 1.0
+    oracles = fuzz("ref.quadratic", tmp_path / "oracles", against="ref.recurrent", max_examples=15)
+    assert oracles.exit_code == 0 and oracles.tried == 15
+    assert max(w["ratio"] for w in oracles.worst.values()) < 1e-3
+
+
+# ---- misbehaving implementations under --isolate ------------------------------------------------------------
+
+@pytest.mark.parametrize("name, status", [("aborts", "crash"), ("hangs", "hang"), ("raises", "error")])
+def test_crash_hang_and_error_are_verdicts_under_isolate(name, status, tmp_path):
+    spec = f"harness.doubles:{name}"
+    report = fuzz(spec, tmp_path, max_examples=3, isolate=True, timeout=3.0, localize=(status == "error"))
+    finding = only_finding(report)
+    verdict = finding.outcome.verdicts[spec]
+    assert verdict.status == status
+    assert {"crash": "SIGABRT", "hang": "timeout", "error": "planted failure"}[status] in verdict.detail
+    record = json.load(open(os.path.join(finding.path, "verdict.json"), encoding="utf-8"))
+    assert record["verdicts"][spec]["status"] == status
+    assert report.stopped == "divergence found"
+    if status == "error":
+        assert finding.localization["features"]["trigger"] == []
+
+
+def test_the_run_goes_on_after_a_crash(tmp_path):
+    spec = "harness.doubles:aborts_with_groups"
+    report = fuzz(spec, tmp_path, max_examples=10, isolate=True, timeout=30.0, keep_going=True, localize=False,
+                  pass_="forward", dtypes=("float32",), seed=2)
+    assert report.tried == 10 and report.stopped.startswith("example budget")
+    crash = only_finding(report)
+    assert crash.outcome.verdicts[spec].status == "crash" and crash.outcome.case.ngroups > 1
+    assert len(report.findings) == 1                       # one bucket, however many crashes
+    assert report.worst, "cases after the crash were judged"
+
+
+# ---- the command line ------------------------------------------------------------------------------------
+
+def test_cli_exit_status_and_output(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SSDIFF_REPORTS", str(tmp_path / "reports"))
+    clean = tmp_path / "clean"
+    assert main(["fuzz", "--impl", "harness.doubles:healthy", "--max-examples", "4", "--seed", "1",
+                 "--out", str(clean)]) == 0
+    assert json.load(open(clean / "summary.json"))["cases_tried"] == 4
+    found = tmp_path / "found"
+    assert main(["fuzz", "--impl", "harness.doubles:mask_bug", "--max-examples", "300", "--pass", "forward",
+                 "--dtype", "float32", "--seed", "4", "--out", str(found)]) == 1
+    out = capsys.readouterr().out
+    assert "divergence 1" in out and "first divergent stage: scan" in out and str(found) in out
+    assert (found / "divergence-001" / "case.json").is_file() and (found / "divergence-001" / "verdict.json").is_file()
+    assert main(["fuzz", "--impl", "no.such.impl", "--max-examples", "1"]) == 2
+    assert main(["fuzz", "--impl", "harness.doubles:healthy", "--dtype", "float64", "--max-examples", "1"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["fuzz", "--max-examples", "1"])
+    assert exc.value.code == 2
+
+
+def test_usage_errors_name_the_problem():
+    with pytest.raises(UsageError, match="share no entry point"):
+        Fuzzer(FuzzConfig(impl="harness.doubles:healthy", against="harness.doubles:mixer", report_dir=None))
+    with pytest.raises(UsageError, match="budget"):
+        Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))

@@ -1,0 +1,398 @@
+"""HTML reports (harness/report): every fuzz run writes one; `ssdiff report DIR` renders a saved run again;
+the page is self-contained, shows every part of a divergence, and opens cleanly in headless Chromium.
+
+Runs here (module fixtures, each fuzzed once):
+- the seed divergence: mamba_ssm.split_conv1d_combined against mamba_ssm.split_conv1d_ref, the real adapters
+  (the reference's gated RMSNorm normalizes over the whole dim instead of per group), with a fixed seed;
+  where mamba_ssm cannot run, the planted double of the same bug (harness.doubles:mixer_norm_bug);
+- a planted bug: harness.doubles:group_bug (chunk states read B of the wrong group) against the healthy toy
+  kernel, backward pass;
+- a clean run: the healthy toy kernel, a few cases.
+
+The browser checks need Chromium (Debian: apt-get install chromium). Without it they skip locally and fail
+when CI=true. The screenshot is kept in $SSDIFF_ARTIFACTS (default reports/artifacts/).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import warnings
+
+import pytest
+
+from harness import upstream
+from harness.fuzz import FuzzConfig, Fuzzer
+from harness.report import browser, render
+from harness.strategies import Bounds
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ARTIFACTS = pathlib.Path(os.environ.get("SSDIFF_ARTIFACTS") or REPO / "reports" / "artifacts")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
+MAX_PAGE_BYTES = 5 * 1024 * 1024
+MAX_LOAD_MS = 2000.0
+
+# Any URL a page could fetch from: only data: URIs and in-page / sibling links are allowed.
+EXTERNAL = re.compile(r"""(?:src|href|action|poster|data)\s*=\s*["'](?!data:|#|\.\./index\.html|[\w.-]+/index\.html)"""
+                      r"""|url\(\s*["']?(?!data:)|@import|https?://""", re.IGNORECASE)
+
+
+def chromium_or_skip() -> str:
+    exe = browser.find_chromium()
+    if exe is None:
+        message = "chromium is not installed (Debian: apt-get install chromium)"
+        if IN_CI:
+            pytest.fail(f"{message}: CI must install it (.ci/run)")
+        pytest.skip(message)
+    return exe
+
+
+def fuzz(tmp: pathlib.Path, name: str, **config):
+    out = tmp / name
+    report = Fuzzer(FuzzConfig(out_dir=str(out), report_dir=str(tmp / "reports"), **config)).run()
+    return report, out
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("report")
+
+
+@pytest.fixture(scope="module")
+def seed_run(workdir):
+    problem = upstream.mamba_ssm_problem()
+    if problem is None:
+        config = dict(impl="mamba_ssm.split_conv1d_combined", against="mamba_ssm.split_conv1d_ref", pass_="forward")
+    else:
+        warnings.warn(f"mamba_ssm cannot run here ({problem}): the seed divergence comes from its planted double")
+        config = dict(impl="harness.doubles:mixer", against="harness.doubles:mixer_norm_bug", pass_="forward")
+    # Small shapes: every case is cheap under the interpreter, and ngroups > 1 with rmsnorm comes up early.
+    small = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(8, 16))
+    report, out = fuzz(workdir, "seed", seed=1, max_time=120, max_examples=400, bounds=small, **config)
+    assert report.findings, f"the seed divergence was not found: {report.summary()}"
+    return report, out
+
+
+@pytest.fixture(scope="module")
+def planted_run(workdir):
+    report, out = fuzz(workdir, "planted", impl="harness.doubles:group_bug", against="harness.doubles:healthy",
+                       pass_="backward", seed=3, max_time=120, max_examples=200)
+    assert report.findings, f"the planted group bug was not found: {report.summary()}"
+    return report, out
+
+
+@pytest.fixture(scope="module")
+def clean_run(workdir):
+    return fuzz(workdir, "clean", impl="harness.doubles:healthy", pass_="forward", seed=0, max_examples=6,
+                max_time=120)
+
+
+def page_of(report) -> str:
+    assert report.report_path, "the fuzz run wrote no report"
+    return pathlib.Path(report.report_path).read_text(encoding="utf-8")
+
+
+def images(text: str) -> list:
+    return re.findall(r'<img src="(data:image/png;base64,[^"]+)"', text)
+
+
+def section(text: str, number: int) -> str:
+    start = text.index(f'id="divergence-{number:03d}"')
+    end = text.find('<section class="divergence"', start)
+    return text[start:end if end > 0 else len(text)]
+
+
+# ---- every fuzz run writes a report; the report has every part ----------------------------------------------
+
+def test_every_fuzz_run_writes_its_report_and_the_index(planted_run, clean_run, workdir):
+    for report, out in (planted_run, clean_run):
+        page = pathlib.Path(report.report_path)
+        assert page == workdir / "reports" / out.name / "index.html"
+        assert json.loads((page.parent / "run.json").read_text())["divergences"] == len(report.findings)
+        for finding in report.findings:
+            assert (pathlib.Path(finding.path) / "error_maps.json").is_file()
+    index = (workdir / "reports" / "index.html").read_text()
+    assert 'href="planted/index.html"' in index and 'href="clean/index.html"' in index
+    assert "1 divergence" in index and "clean" in index
+
+
+def test_report_of_a_planted_bug_shows_every_part(planted_run):
+    report, out = planted_run
+    text = page_of(report)
+    finding = report.findings[0]
+    part = section(text, 1)
+    # the verdict table: every output and gradient of both sides, with its status and ratio
+    for side, verdict in finding.outcome.verdicts.items():
+        assert side in part
+        for t in verdict.tensors:
+            if t.kind != "stage":
+                assert f'<td class="mono">{t.name}</td>' in part
+    assert 'class="badge status-diverged"' in part and 'class="badge status-ok"' in part
+    # which side the oracle agrees with
+    assert "the oracle agrees with harness.doubles:healthy" in part
+    # the stage table, the first divergent stage highlighted: the bug is in the chunk states
+    first = re.search(r'<tr class="first">\s*<td class="mono">(\w+)</td>', part)
+    assert first and first.group(1) == "chunk_states", part[:3000]
+    # the feature ablation: the trigger is ngroups > 1
+    trigger = re.findall(r'<tr class="trigger"><td class="mono">(\w+)</td>', part)
+    assert "groups" in trigger and trigger == finding.localization["features"]["trigger"]
+    # heatmaps (head x chunk, by group) and the error along the sequence, as inline PNGs
+    assert len(images(part)) >= 3
+    for uri in images(part):
+        png = base64.b64decode(uri.split(",", 1)[1])
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    buggy = finding.outcome.verdicts["harness.doubles:group_bug"]
+    assert "stage.chunk_states (first divergent stage): largest error / budget per head × chunk" in part
+    for t in buggy.failing:
+        if t.kind == "output":
+            rows = "batch" if t.name == "final_states" else "chunk"
+            assert f"{t.name}: largest error / budget per head × {rows}" in part
+            assert f"{t.name}: by group (heads pooled into their {finding.outcome.case.ngroups} groups)" in part
+            if t.name == "y":
+                assert "y: largest error / budget at each token" in part
+    # the original case next to the feature-minimal one; the environment
+    assert "original" in part and "feature-minimal" in part
+    import torch
+    import triton
+
+    assert torch.__version__ in text and triton.__version__ in text
+    assert "mamba-ssm" in text and "fla-core" in text
+
+
+def test_error_maps_put_the_group_bug_on_the_heads_that_read_the_wrong_group(planted_run):
+    """The heatmap data localizes the planted bug: in the first divergent stage (chunk states), the heads whose
+    group index is wrong (head % g != head // r) are out of budget and the others within it; the outputs' maps
+    have the case's shape."""
+    report, _ = planted_run
+    finding = report.findings[0]
+    case = finding.outcome.case
+    saved = json.loads((pathlib.Path(finding.path) / "error_maps.json").read_text())
+    maps = saved["sides"]["harness.doubles:group_bug"]
+    states = maps["stage.chunk_states"]
+    assert states["rows"] == [f"h{h}" for h in range(case.nheads)] and states["cols_axis"] == "chunk"
+    assert len(states["matrix"][0]) == case.nchunks
+    wrong = {h for h in range(case.nheads) if h % case.ngroups != h // case.heads_per_group}
+    assert wrong, case.describe()
+    for h, row in enumerate(states["matrix"]):
+        if h not in wrong:
+            assert max(row) <= 1.0, (h, row)
+    assert min(max(states["matrix"][h]) for h in wrong) > 10.0, states["matrix"]
+    y = maps["y"]
+    assert len(y["matrix"]) == case.nheads and len(y["matrix"][0]) == case.nchunks
+    assert len(y["sequence"]) == case.batch and len(y["sequence"][0]) == case.seqlen
+    assert len(y["group_matrix"]) == case.ngroups
+    assert len(maps["grad.B"]["rows"]) == case.ngroups
+
+
+def test_a_saved_run_renders_again_the_same(planted_run, workdir):
+    from harness import cli
+
+    report, out = planted_run
+    again = workdir / "again"
+    assert cli.main(["report", str(out), "--reports", str(again)]) == 0
+    first, second = page_of(report), (again / out.name / "index.html").read_text()
+    assert images(first) == images(second)
+    strip = re.compile(r"on \d{4}-\d\d-\d\d \d\d:\d\d \w+|written \d{4}-\d\d-\d\d \d\d:\d\d \w+")
+    assert strip.sub("", first) == strip.sub("", second)
+    assert (again / "index.html").is_file()
+    assert cli.main(["report", str(workdir / "no-such-run"), "--reports", str(again)]) == 2
+
+
+def test_a_clean_run_says_so_with_cases_and_the_largest_ratio(clean_run):
+    report, _ = clean_run
+    assert not report.findings
+    text = page_of(report)
+    largest = max(item["ratio"] for item in report.worst.values())
+    assert 0 < largest < 1
+    banner = re.search(r'<div class="banner clean" id="outcome">(.*?)</div>', text, re.S)
+    assert banner, "no clean banner"
+    words = " ".join(re.sub(r"<[^>]+>", " ", banner.group(1)).split())
+    assert words.startswith(f"No divergence. {report.tried} cases judged"), words
+    assert render.fmt_ratio(largest) in words
+    assert "divergence-001" not in text
+
+
+def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, workdir):
+    report, out = planted_run
+    copy = workdir / "with-repro"
+    shutil.copytree(out, copy)
+    folder = copy / "divergence-001"
+    smaller = report.findings[0].outcome.case.replace(batch=1, seqlen=16, seed=7, segments=None, padding=None,
+                                                      seq_idx_start=0, varlen_states=False)
+    (folder / "minimized.json").write_text(smaller.to_json())
+    repro = 'import sys\nprint("<both sides> & exit 1")\nsys.exit(1)\n'
+    (folder / "repro.py").write_text(repro)
+    text = render.render_run(copy, workdir / "reports").read_text()
+    part = section(text, 1)
+    assert "minimized <span" in part and smaller.describe() in part
+    assert re.search(r'<tr class="changed"><td class="mono">seqlen</td>', part)
+    assert '<pre id="divergence-001-repro">import sys\nprint(&#34;&lt;both sides&gt; &amp; exit 1&#34;)' in part
+    assert '<button class="copy" type="button" data-target="divergence-001-repro" hidden>copy</button>' in part
+
+
+def test_a_figure_budget_keeps_any_page_small(planted_run, workdir, monkeypatch):
+    """Past its share of the page's figure budget a divergence keeps its first figure and says what it left out."""
+    report, out = planted_run
+    monkeypatch.setattr(render, "FIGURE_BUDGET", 1)
+    text = render.render_run(out, workdir / "tiny-budget").read_text()
+    for n in range(1, len(report.findings) + 1):
+        part = section(text, n)
+        assert len(images(part)) == 1
+        assert "the figure budget of this divergence is" in part
+
+
+def test_pages_reference_nothing_outside_themselves(planted_run, clean_run, seed_run, workdir):
+    for report, _ in (planted_run, clean_run, seed_run):
+        text = page_of(report)
+        assert not EXTERNAL.findall(text), EXTERNAL.findall(text)[:5]
+        assert "default-src 'none'" in text          # and the browser is told to load nothing anyway
+    index = (workdir / "reports" / "index.html").read_text()
+    assert not EXTERNAL.findall(index)
+
+
+# ---- in a real browser -------------------------------------------------------------------------------------
+
+def test_browser_check_catches_console_errors_and_network_requests(tmp_path):
+    """The checker the next tests rely on sees an error and a request when a page makes them."""
+    chromium_or_skip()
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!doctype html><title>bad</title><p>x</p><script>console.error("planted error")</script>'
+                   '<img src="http://127.0.0.1:9/planted.png">')
+    check = browser.open_page(bad)
+    assert check.loaded
+    assert any("planted error" in e for e in check.console_errors), check.console_errors
+    assert check.network_requests == ["http://127.0.0.1:9/planted.png"], check.requests
+
+
+def not_blank(png: bytes) -> dict:
+    from PIL import Image, ImageStat
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    stat = ImageStat.Stat(image)
+    colours = image.getcolors(maxcolors=1 << 16)
+    return {"size": image.size, "stddev": max(stat.stddev), "colours": len(colours) if colours else 1 << 16,
+            "ink": sum(1 for count, rgb in (colours or []) if max(rgb) < 128) if colours else 0}
+
+
+def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run):
+    chromium_or_skip()
+    report, _ = seed_run
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "seed-divergence-report.png"
+    check = browser.open_page(report.report_path, screenshot=shot, width=1400, height=3000)
+    assert check.loaded, "the load event never fired"
+    assert check.console_errors == [], check.console_errors
+    assert check.network_requests == [], check.network_requests
+    assert check.load_ms is not None and check.load_ms < MAX_LOAD_MS, check.load_ms
+    assert check.text_length > 2000 and "divergence" in check.title
+    facts = not_blank(shot.read_bytes())
+    assert facts["size"] == (1400, 3000), facts
+    assert facts["stddev"] > 20 and facts["colours"] > 50, f"the screenshot looks blank: {facts}"
+    # JavaScript off: the same page to read (only the copy buttons, which need it, stay hidden)
+    plain = browser.open_page(report.report_path, javascript=False)
+    assert plain.loaded and not plain.console_errors and not plain.network_requests
+    assert plain.text_length >= check.text_length - 40 * pathlib.Path(report.report_path).read_text().count(
+        'class="copy"'), (plain.text_length, check.text_length)
+    print(f"\nseed divergence report: {pathlib.Path(report.report_path).stat().st_size / 1024:.0f} KB, loaded in "
+          f"{check.load_ms:.0f} ms ({check.version}); screenshot {shot} {facts}")
+
+
+def worst_case_maps(verdict_record: dict, seed: int) -> dict:
+    """Error maps at the size caps (harness/report/maps.py) for every diverging tensor of every side, with random
+    log-uniform content: the largest, least compressible figures a divergence can ask for."""
+    import random
+
+    from harness.report.maps import MAX_COLS, MAX_ROWS, MAX_TOKENS
+
+    rng = random.Random(seed)
+
+    def noise(rows, cols):
+        return [[float(f"{10 ** rng.uniform(-4, 6):.4g}") for _ in range(cols)] for _ in range(rows)]
+
+    sides = {}
+    for side, verdict in verdict_record["verdicts"].items():
+        sides[side] = {}
+        for t in verdict["tensors"]:
+            sides[side][t["name"]] = {
+                "name": t["name"], "status": t["status"], "ratio": 1e6, "axes": ["batch", "token", "head"],
+                "matrix": noise(MAX_ROWS, MAX_COLS), "rows": [f"h{i}" for i in range(MAX_ROWS)],
+                "rows_axis": "head", "cols_axis": "chunk", "cols_bin": 1, "rows_bin": 1,
+                "group_matrix": noise(16, MAX_COLS), "sequence": noise(2, MAX_TOKENS), "sequence_bin": 4,
+                "sequence_rows": "batch"}
+    return {"format": 1, "chunk_size": 64, "seqlen": 4 * MAX_TOKENS, "sides": sides}
+
+
+@pytest.mark.parametrize("maps", ["as found", "worst case"])
+def test_a_run_with_ten_divergences_stays_small_and_loads_fast(planted_run, workdir, maps):
+    """Ten divergences, each as heavy as the planted one (two sides, backward: every gradient judged); "worst
+    case": with error maps at the size caps and random content in every diverging tensor."""
+    exe = chromium_or_skip()
+    report, out = planted_run
+    ten = workdir / f"ten-{maps.replace(' ', '-')}"
+    ten.mkdir()
+    summary = json.loads((out / "summary.json").read_text())
+    source = out / "divergence-001"
+    listed = []
+    for n in range(1, 11):
+        folder = ten / f"divergence-{n:03d}"
+        shutil.copytree(source, folder)
+        if maps == "worst case":
+            record = json.loads((folder / "verdict.json").read_text())
+            (folder / "error_maps.json").write_text(json.dumps(worst_case_maps(record, seed=0)))
+        listed.append({**summary["divergences"][0], "number": n, "path": str(folder)})
+    summary["divergences"] = listed
+    (ten / "summary.json").write_text(json.dumps(summary))
+    page = render.render_run(ten, workdir / "reports")
+    size = page.stat().st_size
+    text = page.read_text()
+    assert text.count('<section class="divergence"') == 10
+    assert size < MAX_PAGE_BYTES, f"{size / 2 ** 20:.2f} MB"
+    for n in range(1, 11):                            # every divergence keeps at least its first heatmap
+        assert images(section(text, n)), n
+    check = browser.open_page(page, chromium=exe)
+    assert check.loaded and not check.console_errors and not check.network_requests
+    assert check.load_ms is not None and check.load_ms < MAX_LOAD_MS, check.load_ms
+    print(f"\nten divergences ({maps}): {size / 1024:.0f} KB, {len(images(text))} figures, "
+          f"loaded in {check.load_ms:.0f} ms")
+
+
+def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path):
+    """``pytest --ssdiff-report`` saves the divergence a failing property reached and renders the run."""
+    import subprocess
+    import sys
+
+    test = tmp_path / "test_planted.py"
+    test.write_text(
+        "from harness import runtime\nruntime.configure()\n"
+        "from hypothesis import given, settings, strategies as st\n"
+        "from harness import baseline, oracle\nfrom harness.case import Case\n"
+        "from harness.doubles import group_bug\nfrom harness.inputs import materialize\n"
+        "from harness.verdict import judge\n\n"
+        "@settings(max_examples=4, deadline=None, database=None, derandomize=True)\n"
+        "@given(st.sampled_from([1, 2]))\n"
+        "def test_group_bug_matches_the_oracle(ngroups):\n"
+        "    case = Case(nheads=4, ngroups=ngroups, seqlen=20, chunk_size=8)\n"
+        "    inputs = materialize(case, 'cpu')\n"
+        "    v = judge(group_bug.name, case, inputs, group_bug.run(case, inputs), oracle.evaluate(case, inputs),\n"
+        "              baseline.evaluate(case, inputs))\n"
+        "    assert v.ok, v.message()\n")
+    root = tmp_path / "reports"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "harness.report.pytest_plugin",
+                          f"--ssdiff-report={root}", "-p", "no:cacheprovider", str(test)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ssdiff report:" in run.stdout
+    pages = list(root.glob("pytest-*/index.html"))
+    assert len(pages) == 1, run.stdout[-2000:]
+    saved = pages[0].parent / "run" / "divergence-001"
+    case = json.loads((saved / "case.json").read_text())
+    assert case["ngroups"] == 2                      # the falsifying example, not a passing one
+    text = pages[0].read_text()
+    assert "double.toy.group_index" in text and "test_group_bug_matches_the_oracle" in text
+    assert len(images(text)) >= 2 and not EXTERNAL.findall(text)
+    assert (root / "index.html").is_file()

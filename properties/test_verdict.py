@@ -1,0 +1,222 @@
+"""The noise-floor verdict (harness/verdict.py) and the same-precision baseline it is built on (harness/baseline.py).
+
+Healthy implementations are within budget on generated cases; an error planted at one element is reported
+with the exact ratio, count and place; NaN/Inf, wrong shape, wrong dtype and missing results are verdicts of
+their own; padding tokens and unused C.B^T entries are not judged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+
+from harness import baseline, doubles
+from harness.case import Case, Regime
+from harness.impls.base import Outputs
+from harness.inputs import materialize
+from harness.localize import fit_case
+from harness.oracle import evaluate
+from harness.strategies import Bounds, cases
+from harness.verdict import (FACTOR, UNIT_ROUNDOFF, Layout, cell_ids, disagreement, element_budget, judge,
+                             judge_tensor, layout_of)
+
+SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
+
+RICH = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=8, dtype="float16", D="channel",
+            has_z=True, initial_states=True, dt_limit=(0.01, 0.2), pass_="backward", final_state_grad=True, seed=3)
+
+
+def prepared(case: Case):
+    inputs = materialize(case)
+    return inputs, evaluate(case, inputs), baseline.evaluate_samples(case, inputs)
+
+
+def y_of(case, inputs, truth, bases, actual):
+    return judge_tensor("y", "output", actual, truth.outputs["y"], [b.outputs["y"] for b in bases], case, inputs)
+
+
+# ---- healthy implementations pass -----------------------------------------------------------------------
+
+@given(cases(dtypes=("float32", "float16", "bfloat16"), bounds=SMALL))
+def test_healthy_float32_implementations_are_within_budget(case):
+    impl = doubles.healthy if case.entry == "chunk_scan" else doubles.mixer
+    case = fit_case(case, [impl], "cpu")
+    inputs, truth, bases = prepared(case)
+    verdict = judge(impl.name, case, inputs, impl.run(case, inputs, want_stages=True), truth, bases, stages=True)
+    assert verdict.ok, verdict.message()
+    assert all(t.ok for t in verdict.tensors), [t.name for t in verdict.tensors if not t.ok]
+
+
+@pytest.mark.parametrize("other", ["ref.quadratic", "ref.recurrent"])
+def test_the_oracles_are_far_within_each_others_budget(other):
+    case = RICH.replace(segments=((5, 8, 8), (3, 10, 8)), padding=None, dtype="float32")
+    inputs, truth, bases = prepared(case)
+    ev = evaluate(case, inputs, other)
+    verdict = judge(other, case, inputs, Outputs(ev.outputs, ev.grads, ev.stages), truth, bases, stages=True)
+    assert verdict.ok and verdict.ratio < 1e-3, verdict.message()
+
+
+# ---- the ratio means what it says --------------------------------------------------------------------------
+
+def test_an_error_planted_at_one_element_is_reported_exactly():
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case)
+    t = truth.outputs["y"]
+    layout = layout_of("output", "y", case)
+    budget, *_ = element_budget(t, [b.outputs["y"] for b in bases], torch.ones_like(t, dtype=torch.bool), layout,
+                                case, UNIT_ROUNDOFF[torch.float16])
+    where = (1, 17, 2, 1)
+    for multiple, status in ((10.0, "diverged"), (0.5, "ok")):
+        actual = t.clone()                          # float64 results (the oracles') skip the dtype check
+        actual[where] += multiple * budget[where]
+        tv = y_of(case, inputs, truth, bases, actual)
+        assert tv.status == status
+        assert tv.ratio == pytest.approx(multiple, rel=1e-9)
+        assert tuple(tv.worst["index"]) == where
+        assert tv.worst["coords"] == {"batch": 1, "token": 17, "chunk": 2, "head": 2, "group": 1, "p": 1}
+        assert tv.out_of_budget == (1 if multiple > 1 else 0)
+        assert tv.judged == t.numel()
+
+
+def test_the_message_reads_like_torch_testing():
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case)
+    actual = truth.outputs["y"].clone()
+    actual[0, 3] += 1.0                             # every element of one token: p * h = 12 elements
+    tv = y_of(case, inputs, truth, bases, actual)
+    text = tv.message("impl")
+    assert tv.out_of_budget == case.nheads * case.headdim
+    assert text.startswith("impl: output y diverges from the float64 oracle: 12 / 504 elements (2.4%) out of budget")
+    for piece in ("Greatest error 1 at index (0, 3,", "budget there", "ratio", "Relative RMS error",
+                  "same-precision baseline", "max abs error 1"):
+        assert piece in text, text
+
+
+def test_nan_and_inf_are_their_own_verdict():
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case)
+    actual = truth.outputs["y"].clone().to(torch.float16)
+    actual[1, 4, 0, 2] = float("nan")
+    actual[1, 9, 3, 0] = float("inf")
+    tv = y_of(case, inputs, truth, bases, actual)
+    assert tv.status == "nonfinite" and tv.out_of_budget == 2 and math.isinf(tv.ratio)
+    assert tuple(tv.worst["index"]) == (1, 4, 0, 2)
+    assert "NaN and Inf" in tv.detail
+
+
+def test_shape_dtype_and_missing_results_are_mismatches():
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case)
+    y = truth.outputs["y"]
+    assert "shape" in y_of(case, inputs, truth, bases, y[:, :-1].to(torch.float16)).detail
+    wrong_dtype = y_of(case, inputs, truth, bases, y.to(torch.float32))
+    assert wrong_dtype.status == "mismatch" and "dtype float32, expected float16" in wrong_dtype.detail
+    assert y_of(case, inputs, truth, bases, y.to(torch.float16)).status == "ok"
+    out = Outputs(outputs={"y": y.to(torch.float16)})          # final_states missing
+    verdict = judge("impl", case, inputs, out, truth, bases)
+    assert verdict.status == "mismatch"
+    assert verdict.tensor("final_states").detail.startswith("missing")
+
+
+def test_outputs_at_padding_tokens_are_not_judged_but_gradients_are():
+    case = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=2, chunk_size=4, segments=((5, 7), (4, 5)),
+                padding=(0, 3), pass_="backward", seed=5)
+    inputs, truth, bases = prepared(case)
+    out = doubles.healthy.run(case, inputs)
+    out.outputs["y"] = out.outputs["y"].clone()
+    out.outputs["y"][1, 9:] = 1e6                   # padding tokens of row 1: unspecified
+    verdict = judge("impl", case, inputs, out, truth, bases)
+    assert verdict.ok, verdict.message()
+    assert verdict.tensor("y").excluded == 3 * case.nheads * case.headdim
+    out.grads["x"] = out.grads["x"].clone()
+    out.grads["x"][1, 10, 0, 0] += 1.0              # a gradient leaking into a padding token is judged
+    assert judge("impl", case, inputs, out, truth, bases).tensor("grad.x").status == "diverged"
+
+
+def test_unused_CB_entries_are_not_judged():
+    case = Case(seqlen=10, nheads=2, headdim=2, dstate=3, chunk_size=8, segments=((3, 7),), seed=2)
+    inputs, truth, bases = prepared(case)
+    out = doubles.healthy.run(case, inputs, want_stages=True)
+    cb = out.stages["CB"].clone()
+    cb[0, 0, 0, 1, 5] = 99.0                        # j > i: above the causal diagonal
+    cb[0, 0, 0, 5, 1] = 99.0                        # token 5 (sequence 1) with token 1 (sequence 0)
+    cb[0, 1, 0, 3, 3] = 99.0                        # past the end (L = 10)
+    out.stages["CB"] = cb
+    staged = judge("impl", case, inputs, out, truth, bases, stages=True)
+    assert staged.tensor("stage.CB").ok
+    cb[0, 0, 0, 5, 4] = 99.0                        # a used entry
+    assert not judge("impl", case, inputs, out, truth, bases, stages=True).tensor("stage.CB").ok
+
+
+def test_two_sides_disagreement_is_measured_against_their_joint_budget():
+    case = RICH
+    inputs, truth, bases = prepared(case)
+    good = doubles.healthy.run(case, inputs)
+    bad = doubles.group_bug.run(case, inputs)
+    pair = disagreement(case, inputs, good, bad, truth, bases)
+    bad_alone = judge("bad", case, inputs, bad, truth, bases).tensor("y").ratio
+    assert pair["y"] > 10 and pair["grad.B"] > 10
+    # The joint budget is twice one budget, and the good side is within noise of the oracle.
+    assert pair["y"] == pytest.approx(bad_alone / 2, rel=0.1)
+    same = disagreement(case, inputs, good, good, truth, bases)
+    assert max(same.values()) == 0.0
+
+
+# ---- budgets -----------------------------------------------------------------------------------------------
+
+def test_cells_follow_batch_chunk_and_head_and_merge_when_small():
+    case = Case(batch=2, seqlen=64, nheads=4, headdim=8, dstate=4, chunk_size=16)
+    ids = cell_ids((2, 64, 4, 8), layout_of("output", "y", case), case, "cpu")
+    assert int(ids.max()) + 1 == 2 * 4 * 4                 # batch x chunk x head, 128 elements each
+    assert ids[0, 0, 0, 0] == ids[0, 15, 0, 7] != ids[0, 16, 0, 0]
+    tiny = cell_ids((4,), Layout(("head",)), case, "cpu")    # 1-element cells merge into one
+    assert int(tiny.max()) == 0
+
+
+def test_the_budget_scales_with_the_dtype():
+    case32 = RICH.replace(dtype="float32", pass_="forward", final_state_grad=False)
+    ratios = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        case = case32.replace(dtype=dtype)
+        inputs, truth, bases = prepared(case)
+        actual = truth.outputs["y"] * (1 + 1e-3)        # a relative error of 1e-3 everywhere
+        ratios[dtype] = y_of(case, inputs, truth, bases, actual).ratio
+    assert ratios["float32"] > 100 > ratios["float16"] > ratios["bfloat16"]
+    assert ratios["bfloat16"] < 1.0
+
+
+def test_tf32_rounding_keeps_ten_mantissa_bits():
+    x = torch.tensor([1.0 + 2.0 ** -10, 1.0 + 3 * 2.0 ** -12, -(1.0 + 2.0 ** -12), 3.0e-30, float("inf")])
+    r = baseline.round_to(x, "tf32")
+    assert r.tolist()[:3] == [1.0 + 2.0 ** -10, 1.0 + 2.0 ** -10, -1.0]
+    assert r[3] != 0 and (r[3].view(torch.int32) & 0x1FFF) == 0
+    assert math.isinf(r[4])
+    assert baseline.dot_precision(Case(dtype="float16"), "cpu") == "float16"
+    assert baseline.dot_precision(Case(dtype="float32"), "cpu") == "float32"
+
+
+def test_baseline_samples_spread_around_the_rounding_error():
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case)
+    errors = [float((b.outputs["y"] - truth.outputs["y"]).norm() / truth.outputs["y"].norm()) for b in bases]
+    # float16: a few units of 2^-11 relative at most, never zero, never much larger from sample to sample
+    assert all(1e-5 < e < 2e-3 for e in errors), errors
+    assert len(set(errors)) == len(errors)
+    assert max(errors) < 4 * min(errors)
+    assert FACTOR == 4.0
+
+
+def test_strong_decay_gradients_of_A_keep_a_tight_budget():
+    # The baseline's backward is the stable one (segment sums), so grad A under strong decay is accurate to
+    # a few ulp; a kernel computing it through cumsum differences is flagged. The toy kernel is stable.
+    case = Case(seqlen=40, nheads=6, headdim=8, dstate=8, ngroups=2, chunk_size=16, has_z=True, initial_states=True,
+                regime=Regime(decay="strong"), pass_="backward", seed=11)
+    inputs, truth, bases = prepared(case)
+    for b in bases:
+        rel = float((b.grads["A"] - truth.grads["A"]).norm() / truth.grads["A"].norm())
+        assert rel < 1e-4, rel
+    verdict = judge("toy", case, inputs, doubles.healthy.run(case, inputs), truth, bases)
+    assert verdict.ok, verdict.message()
