@@ -23,10 +23,12 @@ import pathlib
 import re
 import shutil
 import warnings
+from dataclasses import dataclass
 
 import pytest
 
 from harness import upstream
+from harness.case import Case
 from harness.fuzz import FuzzConfig, Fuzzer
 from harness.report import browser, render
 from harness.strategies import Bounds
@@ -52,10 +54,50 @@ def chromium_or_skip() -> str:
     return exe
 
 
-def fuzz(tmp: pathlib.Path, name: str, **config):
-    out = tmp / name
-    report = Fuzzer(FuzzConfig(out_dir=str(out), report_dir=str(tmp / "reports"), **config)).run()
-    return report, out
+@dataclass
+class SavedRun:
+    """A fuzz run as it is on disk: its output directory, its report, its summary."""
+
+    out: pathlib.Path
+    page: pathlib.Path
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    @property
+    def folders(self) -> list:
+        return [pathlib.Path(d["path"]) for d in self.summary["divergences"]]
+
+    def verdict(self, number: int = 1) -> dict:
+        return json.loads((self.folders[number - 1] / "verdict.json").read_text())
+
+    def case(self, number: int = 1) -> Case:
+        return Case.load(self.folders[number - 1] / "case.json")
+
+    def text(self) -> str:
+        return self.page.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory) -> pathlib.Path:
+    """A folder every pytest-xdist worker of this session sees: each fuzz run below is made once."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "ssdiff-report-runs"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def fuzz_once(root: pathlib.Path, name: str, **config) -> SavedRun:
+    from filelock import FileLock
+
+    with FileLock(str(root / f"{name}.lock")):
+        marker = root / f"{name}.page"
+        if not marker.exists():
+            report = Fuzzer(FuzzConfig(out_dir=str(root / name), report_dir=str(root / "reports"), **config)).run()
+            assert report.report_path, "the fuzz run wrote no report"
+            marker.write_text(report.report_path)
+        return SavedRun(root / name, pathlib.Path(marker.read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +106,7 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def seed_run(workdir):
+def seed_run(shared):
     problem = upstream.mamba_ssm_problem()
     if problem is None:
         config = dict(impl="mamba_ssm.split_conv1d_combined", against="mamba_ssm.split_conv1d_ref", pass_="forward")
@@ -73,28 +115,23 @@ def seed_run(workdir):
         config = dict(impl="harness.doubles:mixer", against="harness.doubles:mixer_norm_bug", pass_="forward")
     # Small shapes: every case is cheap under the interpreter, and ngroups > 1 with rmsnorm comes up early.
     small = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(8, 16))
-    report, out = fuzz(workdir, "seed", seed=1, max_time=120, max_examples=400, bounds=small, **config)
-    assert report.findings, f"the seed divergence was not found: {report.summary()}"
-    return report, out
+    run = fuzz_once(shared, "seed", seed=1, max_time=120, max_examples=400, bounds=small, **config)
+    assert run.folders, f"the seed divergence was not found: {run.summary}"
+    return run
 
 
 @pytest.fixture(scope="module")
-def planted_run(workdir):
-    report, out = fuzz(workdir, "planted", impl="harness.doubles:group_bug", against="harness.doubles:healthy",
-                       pass_="backward", seed=3, max_time=120, max_examples=200)
-    assert report.findings, f"the planted group bug was not found: {report.summary()}"
-    return report, out
+def planted_run(shared):
+    run = fuzz_once(shared, "planted", impl="harness.doubles:group_bug", against="harness.doubles:healthy",
+                    pass_="backward", seed=3, max_time=120, max_examples=200)
+    assert run.folders, f"the planted group bug was not found: {run.summary}"
+    return run
 
 
 @pytest.fixture(scope="module")
-def clean_run(workdir):
-    return fuzz(workdir, "clean", impl="harness.doubles:healthy", pass_="forward", seed=0, max_examples=6,
-                max_time=120)
-
-
-def page_of(report) -> str:
-    assert report.report_path, "the fuzz run wrote no report"
-    return pathlib.Path(report.report_path).read_text(encoding="utf-8")
+def clean_run(shared):
+    return fuzz_once(shared, "clean", impl="harness.doubles:healthy", pass_="forward", seed=0, max_examples=6,
+                     max_time=120)
 
 
 def images(text: str) -> list:
@@ -109,29 +146,27 @@ def section(text: str, number: int) -> str:
 
 # ---- every fuzz run writes a report; the report has every part ----------------------------------------------
 
-def test_every_fuzz_run_writes_its_report_and_the_index(planted_run, clean_run, workdir):
-    for report, out in (planted_run, clean_run):
-        page = pathlib.Path(report.report_path)
-        assert page == workdir / "reports" / out.name / "index.html"
-        assert json.loads((page.parent / "run.json").read_text())["divergences"] == len(report.findings)
-        for finding in report.findings:
-            assert (pathlib.Path(finding.path) / "error_maps.json").is_file()
-    index = (workdir / "reports" / "index.html").read_text()
+def test_every_fuzz_run_writes_its_report_and_the_index(planted_run, clean_run, shared):
+    for run in (planted_run, clean_run):
+        assert run.page == shared / "reports" / run.out.name / "index.html"
+        assert json.loads((run.page.parent / "run.json").read_text())["divergences"] == len(run.folders)
+        for folder in run.folders:
+            assert (folder / "error_maps.json").is_file()
+    index = (shared / "reports" / "index.html").read_text()
     assert 'href="planted/index.html"' in index and 'href="clean/index.html"' in index
     assert "1 divergence" in index and "clean" in index
 
 
 def test_report_of_a_planted_bug_shows_every_part(planted_run):
-    report, out = planted_run
-    text = page_of(report)
-    finding = report.findings[0]
+    text = planted_run.text()
+    verdict = planted_run.verdict(1)
     part = section(text, 1)
     # the verdict table: every output and gradient of both sides, with its status and ratio
-    for side, verdict in finding.outcome.verdicts.items():
+    for side, side_verdict in verdict["verdicts"].items():
         assert side in part
-        for t in verdict.tensors:
-            if t.kind != "stage":
-                assert f'<td class="mono">{t.name}</td>' in part
+        for t in side_verdict["tensors"]:
+            if t["kind"] != "stage":
+                assert f'<td class="mono">{t["name"]}</td>' in part
     assert 'class="badge status-diverged"' in part and 'class="badge status-ok"' in part
     # which side the oracle agrees with
     assert "the oracle agrees with harness.doubles:healthy" in part
@@ -140,20 +175,21 @@ def test_report_of_a_planted_bug_shows_every_part(planted_run):
     assert first and first.group(1) == "chunk_states", part[:3000]
     # the feature ablation: the trigger is ngroups > 1
     trigger = re.findall(r'<tr class="trigger"><td class="mono">(\w+)</td>', part)
-    assert "groups" in trigger and trigger == finding.localization["features"]["trigger"]
-    # heatmaps (head x chunk, by group) and the error along the sequence, as inline PNGs
+    assert "groups" in trigger and trigger == verdict["localization"]["features"]["trigger"]
+    # heatmaps (the first divergent stage, each diverging output by head and by group), the error along the
+    # sequence, as inline PNGs
     assert len(images(part)) >= 3
     for uri in images(part):
         png = base64.b64decode(uri.split(",", 1)[1])
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    buggy = finding.outcome.verdicts["harness.doubles:group_bug"]
     assert "stage.chunk_states (first divergent stage): largest error / budget per head × chunk" in part
-    for t in buggy.failing:
-        if t.kind == "output":
-            rows = "batch" if t.name == "final_states" else "chunk"
-            assert f"{t.name}: largest error / budget per head × {rows}" in part
-            assert f"{t.name}: by group (heads pooled into their {finding.outcome.case.ngroups} groups)" in part
-            if t.name == "y":
+    ngroups = planted_run.case(1).ngroups
+    for t in verdict["verdicts"]["harness.doubles:group_bug"]["tensors"]:
+        if t["kind"] == "output" and t["status"] != "ok":
+            cols = "batch" if t["name"] == "final_states" else "chunk"
+            assert f"{t['name']}: largest error / budget per head × {cols}" in part
+            assert f"{t['name']}: by group (heads pooled into their {ngroups} groups)" in part
+            if t["name"] == "y":
                 assert "y: largest error / budget at each token" in part
     # the original case next to the feature-minimal one; the environment
     assert "original" in part and "feature-minimal" in part
@@ -168,10 +204,8 @@ def test_error_maps_put_the_group_bug_on_the_heads_that_read_the_wrong_group(pla
     """The heatmap data localizes the planted bug: in the first divergent stage (chunk states), the heads whose
     group index is wrong (head % g != head // r) are out of budget and the others within it; the outputs' maps
     have the case's shape."""
-    report, _ = planted_run
-    finding = report.findings[0]
-    case = finding.outcome.case
-    saved = json.loads((pathlib.Path(finding.path) / "error_maps.json").read_text())
+    case = planted_run.case(1)
+    saved = json.loads((planted_run.folders[0] / "error_maps.json").read_text())
     maps = saved["sides"]["harness.doubles:group_bug"]
     states = maps["stage.chunk_states"]
     assert states["rows"] == [f"h{h}" for h in range(case.nheads)] and states["cols_axis"] == "chunk"
@@ -192,10 +226,9 @@ def test_error_maps_put_the_group_bug_on_the_heads_that_read_the_wrong_group(pla
 def test_a_saved_run_renders_again_the_same(planted_run, workdir):
     from harness import cli
 
-    report, out = planted_run
     again = workdir / "again"
-    assert cli.main(["report", str(out), "--reports", str(again)]) == 0
-    first, second = page_of(report), (again / out.name / "index.html").read_text()
+    assert cli.main(["report", str(planted_run.out), "--reports", str(again)]) == 0
+    first, second = planted_run.text(), (again / planted_run.out.name / "index.html").read_text()
     assert images(first) == images(second)
     strip = re.compile(r"on \d{4}-\d\d-\d\d \d\d:\d\d \w+|written \d{4}-\d\d-\d\d \d\d:\d\d \w+")
     assert strip.sub("", first) == strip.sub("", second)
@@ -204,26 +237,26 @@ def test_a_saved_run_renders_again_the_same(planted_run, workdir):
 
 
 def test_a_clean_run_says_so_with_cases_and_the_largest_ratio(clean_run):
-    report, _ = clean_run
-    assert not report.findings
-    text = page_of(report)
-    largest = max(item["ratio"] for item in report.worst.values())
+    summary = clean_run.summary
+    assert not summary["divergences"]
+    text = clean_run.text()
+    largest = max(item["ratio"] for item in summary["largest_ratio_by_dtype"].values())
     assert 0 < largest < 1
     banner = re.search(r'<div class="banner clean" id="outcome">(.*?)</div>', text, re.S)
     assert banner, "no clean banner"
     words = " ".join(re.sub(r"<[^>]+>", " ", banner.group(1)).split())
-    assert words.startswith(f"No divergence. {report.tried} cases judged"), words
+    assert words.startswith(f"No divergence. {summary['cases_tried']} cases judged"), words
+    assert summary["cases_tried"] == 6
     assert render.fmt_ratio(largest) in words
     assert "divergence-001" not in text
 
 
 def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, workdir):
-    report, out = planted_run
     copy = workdir / "with-repro"
-    shutil.copytree(out, copy)
+    shutil.copytree(planted_run.out, copy)
     folder = copy / "divergence-001"
-    smaller = report.findings[0].outcome.case.replace(batch=1, seqlen=16, seed=7, segments=None, padding=None,
-                                                      seq_idx_start=0, varlen_states=False)
+    smaller = planted_run.case(1).replace(batch=1, seqlen=16, seed=7, segments=None, padding=None, seq_idx_start=0,
+                                          varlen_states=False)
     (folder / "minimized.json").write_text(smaller.to_json())
     repro = 'import sys\nprint("<both sides> & exit 1")\nsys.exit(1)\n'
     (folder / "repro.py").write_text(repro)
@@ -237,21 +270,20 @@ def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, 
 
 def test_a_figure_budget_keeps_any_page_small(planted_run, workdir, monkeypatch):
     """Past its share of the page's figure budget a divergence keeps its first figure and says what it left out."""
-    report, out = planted_run
     monkeypatch.setattr(render, "FIGURE_BUDGET", 1)
-    text = render.render_run(out, workdir / "tiny-budget").read_text()
-    for n in range(1, len(report.findings) + 1):
+    text = render.render_run(planted_run.out, workdir / "tiny-budget").read_text()
+    for n in range(1, len(planted_run.folders) + 1):
         part = section(text, n)
         assert len(images(part)) == 1
         assert "the figure budget of this divergence is" in part
 
 
-def test_pages_reference_nothing_outside_themselves(planted_run, clean_run, seed_run, workdir):
-    for report, _ in (planted_run, clean_run, seed_run):
-        text = page_of(report)
+def test_pages_reference_nothing_outside_themselves(planted_run, clean_run, seed_run, shared):
+    for run in (planted_run, clean_run, seed_run):
+        text = run.text()
         assert not EXTERNAL.findall(text), EXTERNAL.findall(text)[:5]
         assert "default-src 'none'" in text          # and the browser is told to load nothing anyway
-    index = (workdir / "reports" / "index.html").read_text()
+    index = (shared / "reports" / "index.html").read_text()
     assert not EXTERNAL.findall(index)
 
 
@@ -281,10 +313,9 @@ def not_blank(png: bytes) -> dict:
 
 def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run):
     chromium_or_skip()
-    report, _ = seed_run
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "seed-divergence-report.png"
-    check = browser.open_page(report.report_path, screenshot=shot, width=1400, height=3000)
+    check = browser.open_page(seed_run.page, screenshot=shot, width=1400, height=3000)
     assert check.loaded, "the load event never fired"
     assert check.console_errors == [], check.console_errors
     assert check.network_requests == [], check.network_requests
@@ -294,11 +325,11 @@ def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run):
     assert facts["size"] == (1400, 3000), facts
     assert facts["stddev"] > 20 and facts["colours"] > 50, f"the screenshot looks blank: {facts}"
     # JavaScript off: the same page to read (only the copy buttons, which need it, stay hidden)
-    plain = browser.open_page(report.report_path, javascript=False)
+    plain = browser.open_page(seed_run.page, javascript=False)
     assert plain.loaded and not plain.console_errors and not plain.network_requests
-    assert plain.text_length >= check.text_length - 40 * pathlib.Path(report.report_path).read_text().count(
-        'class="copy"'), (plain.text_length, check.text_length)
-    print(f"\nseed divergence report: {pathlib.Path(report.report_path).stat().st_size / 1024:.0f} KB, loaded in "
+    buttons = seed_run.text().count('class="copy"')
+    assert plain.text_length >= check.text_length - 40 * buttons, (plain.text_length, check.text_length)
+    print(f"\nseed divergence report: {seed_run.page.stat().st_size / 1024:.0f} KB, loaded in "
           f"{check.load_ms:.0f} ms ({check.version}); screenshot {shot} {facts}")
 
 
@@ -332,11 +363,10 @@ def test_a_run_with_ten_divergences_stays_small_and_loads_fast(planted_run, work
     """Ten divergences, each as heavy as the planted one (two sides, backward: every gradient judged); "worst
     case": with error maps at the size caps and random content in every diverging tensor."""
     exe = chromium_or_skip()
-    report, out = planted_run
     ten = workdir / f"ten-{maps.replace(' ', '-')}"
     ten.mkdir()
-    summary = json.loads((out / "summary.json").read_text())
-    source = out / "divergence-001"
+    summary = planted_run.summary
+    source = planted_run.folders[0]
     listed = []
     for n in range(1, 11):
         folder = ten / f"divergence-{n:03d}"
@@ -396,3 +426,9 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path):
     assert "double.toy.group_index" in text and "test_group_bug_matches_the_oracle" in text
     assert len(images(text)) >= 2 and not EXTERNAL.findall(text)
     assert (root / "index.html").is_file()
+    # and it renders again under its own name
+    from harness import cli
+
+    again = tmp_path / "again"
+    assert cli.main(["report", str(pages[0].parent / "run"), "--reports", str(again)]) == 0
+    assert (again / pages[0].parent.name / "index.html").is_file()

@@ -97,6 +97,8 @@ def mismatch(label: str, got: torch.Tensor, want: torch.Tensor, rtol: float, ato
     if bad.any():
         where = tuple(torch.nonzero(bad)[0].tolist())
         return f"{label}: {int(bad.sum())} non-finite values where the oracle is finite (first at {where})"
+    if not math.isfinite(rtol):
+        return None                              # judged for NaN/Inf only
     err = g - w
     rms_err, rms_ref = err.pow(2).mean().sqrt().item(), w.pow(2).mean().sqrt().item()
     max_err, max_ref = err.abs().max().item(), w.abs().max().item()
@@ -362,7 +364,7 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device):
     """Each upstream implementation agrees with the float64 oracle, within the interim tolerance."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
-    n = examples(cpu=25 if quick(upstream) else (4 if backward else 5), gpu=15)
+    n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=15)
     where = None
     if upstream == "mamba_ssm.split_conv1d_ref":
         # #647 (seed 000) lives exactly here; it has its own strict expected failure below.

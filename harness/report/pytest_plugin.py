@@ -22,6 +22,7 @@ import math
 import os
 import pathlib
 import platform
+import shutil
 import tempfile
 import time
 
@@ -46,7 +47,7 @@ def pytest_configure(config):
     # temporary folder rather than the working tree, unless $SSDIFF_REPORTS says where.
     if option is None:
         if saved is None:
-            os.environ[_ENV] = tempfile.mkdtemp(prefix="ssdiff-reports-")
+            config._ssdiff_temporary = os.environ[_ENV] = tempfile.mkdtemp(prefix="ssdiff-reports-")
         return
     if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
         raise pytest.UsageError("--ssdiff-report cannot collect verdicts from pytest-xdist workers: run without -n")
@@ -56,6 +57,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    temporary = getattr(config, "_ssdiff_temporary", None)
+    if temporary is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
     saved = getattr(config, "_ssdiff_saved_env", None)
     if saved is None:
         os.environ.pop(_ENV, None)
@@ -188,7 +192,8 @@ class Recorder:
         o = self.outcomes
         args = " ".join(str(a) for a in self.config.invocation_params.args)
         summary = {
-            "impl": f"pytest {args}".strip(), "against": "float64 oracle", "device": self._device(),
+            "run_name": self.name, "impl": f"pytest {args}".strip(), "against": "float64 oracle",
+            "device": self._device(),
             "runtime": runtime.describe(), "cases_tried": self.judged,
             "tests": f"{o['passed']} passed, {o['failed']} failed, {o['skipped']} skipped",
             "expected_divergences": self.expected_divergences,

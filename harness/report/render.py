@@ -24,6 +24,7 @@ from typing import Optional
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from harness.case import Case, CaseError
+from harness.oracle.result import STAGE_ORDER
 
 MAX_GRADIENT_MAPS = 4          # per side and divergence: the worst diverging gradients get a heatmap
 # Inline images of one page, shared equally by its divergences (the 5 MB page limit, less room for text).
@@ -34,9 +35,6 @@ RUN_RECORD = "run.json"
 # summary.json entries shown in the page's run table, in this order
 SETTINGS = ("impl", "against", "entry", "pass", "dtypes", "autotune", "isolate", "seed", "max_time_s", "max_examples",
             "factor", "elapsed_s", "stopped", "first_divergence_after_s", "tests", "expected_divergences")
-
-STAGE_ORDER = ("conv", "dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated",
-               "normed", "y")
 
 
 def default_reports_root() -> str:
@@ -253,7 +251,7 @@ def _stage_table(side_loc: dict, verdict: dict) -> Optional[dict]:
         rows.append({"stage": s, "words": STAGE_WORDS.get(s, s), "ratio_text": fmt_ratio(ratio) if s in exposed
                      else "not exposed", "ratio_style": ratio_style(ratio) if s in exposed else "",
                      "role": role, "first": s == first})
-    return {"rows": rows, "text": stages.get("text", ""), "inferred": bool(stages.get("inferred"))}
+    return {"rows": rows, "text": stages.get("text", ""), "inferred": bool(stages.get("inferred")), "first": first}
 
 
 def _features(loc: dict) -> Optional[dict]:
@@ -371,18 +369,17 @@ def _divergence(item: dict, run_summary: dict, figure_bytes: int) -> dict:
     sides = []
     for name, v in (verdict.get("verdicts") or {}).items():
         side_loc = per_side.get(name) or {}
-        stages = side_loc.get("stages") or {}
-        first_stage = stages.get("first") if not stages.get("inferred") else None
+        table = _stage_table(side_loc, v) if v.get("status") != "ok" else None
+        first_stage = table["first"] if table and not table["inferred"] else None
         sides.append({
             "name": name, "status": v.get("status", ""), "ratio_text": fmt_ratio(v.get("ratio")),
             "ratio_style": ratio_style(v.get("ratio")), "ok": v.get("status") == "ok",
             "detail": v.get("detail", ""), "notes": v.get("notes") or [], "seconds": v.get("seconds"),
-            "tensors": _tensor_rows(v), "stages": _stage_table(side_loc, v) if v.get("status") != "ok" else None,
+            "tensors": _tensor_rows(v), "stages": table,
             "coordinates": [c.get("text", "") for c in side_loc.get("coordinates") or []],
             "configs": (side_loc.get("configs") or {}).get("text"),
-            "figures": _figures(name, v, item.get("maps"), item.get("case"), budget, first_stage)
-            if v.get("status") != "ok"
-            else None,
+            "figures": (_figures(name, v, item.get("maps"), item.get("case"), budget, first_stage)
+                        if v.get("status") != "ok" else None),
         })
     pair = verdict.get("pair_ratio_by_tensor") or {}
     case = item.get("case")
@@ -462,9 +459,10 @@ def run_name(run_dir) -> str:
 
 def render_run(run_dir, reports_root=None, name: Optional[str] = None, output=None, index: bool = True) -> pathlib.Path:
     """Render the saved run ``run_dir`` to ``output`` (default: <reports_root>/<name>/index.html, name = the
-    run directory's name), write run.json beside it and, with ``index``, rebuild <reports_root>/index.html."""
+    summary's run_name, else the run directory's name), write run.json beside it and, with ``index``, rebuild
+    <reports_root>/index.html."""
     run = load_run(run_dir)
-    name = name or run_name(run_dir)
+    name = name or run["summary"].get("run_name") or run_name(run_dir)
     root = pathlib.Path(reports_root or default_reports_root())
     target = pathlib.Path(output) if output is not None else root / name / "index.html"
     target.parent.mkdir(parents=True, exist_ok=True)
