@@ -257,6 +257,91 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--chunk-sizes", default=None, metavar="Q[,Q]", help="chunk sizes drawn (powers of two)")
 
 
+def _sides_for(args, path) -> tuple:
+    """--impl/--against, or the sides recorded next to a fuzz finding."""
+    from harness.minimize import sides_of
+
+    if args.impl:
+        return args.impl, args.against
+    recorded = sides_of(path)
+    if not recorded:
+        raise SystemExit(f"ssdiff: {path}: no verdict.json next to it names the implementations: give --impl")
+    return recorded[0], (recorded[1] if len(recorded) > 1 else None)
+
+
+def cmd_minimize(args) -> int:
+    """Shrink a diverging case; exit 1 when the divergence persists (minimized), 0 when it no longer diverges."""
+    import time
+    from pathlib import Path
+
+    from harness.case import Case
+    from harness.minimize import NotDiverging, minimize
+
+    path = Path(args.case)
+    case = Case.load(path)
+    impl, against = _sides_for(args, path)
+    err = Console(stderr=True)
+    start = time.perf_counter()
+    kept = [0]
+
+    def on_step(step):
+        if step.kept:
+            kept[0] += 1
+            err.print(f"  [{time.perf_counter() - start:5.1f} s] kept: {step.change:<32} -> {step.case.describe()}",
+                      highlight=False, soft_wrap=True)
+
+    err.print(f"minimize {impl}{' vs ' + against if against else ' vs the oracle'}: {case.describe()}",
+              highlight=False, soft_wrap=True)
+    try:
+        result = minimize(case, impl, against, device=args.device, out_dir=args.out or path.parent, on_step=on_step,
+                          max_runs=args.max_runs, isolate=args.isolate)
+    except NotDiverging as exc:
+        console.print(f"nothing to minimize: {exc}", highlight=False, soft_wrap=True)
+        return 0
+    console.rule("minimized")
+    console.print(f"original: {result.original.describe()}", highlight=False, soft_wrap=True)
+    console.print(f"minimal:  {result.minimal.describe()}", highlight=False, soft_wrap=True)
+    console.print(f"{len(result.shrunk.kept)} steps kept of {result.shrunk.runs} tried in "
+                  f"{time.perf_counter() - start:.1f} s; first divergent stage kept: {result.first_stage or 'n/a'}",
+                  highlight=False)
+    if result.irrelevant():
+        console.print("did not matter (removed): " + ", ".join(result.irrelevant()), highlight=False)
+    for v in result.outcome.verdicts.values():
+        console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
+    for f in result.files:
+        console.print(f"-> {f}", highlight=False, soft_wrap=True)
+    return 1
+
+
+def cmd_replay(args) -> int:
+    """Judge a saved case again; compare with the verdict stored next to it. Exit 1 if it diverges."""
+    from pathlib import Path
+
+    from harness.case import Case
+    from harness.minimize import replay, stored_verdicts
+
+    path = Path(args.case)
+    case = Case.load(path)
+    impl, against = _sides_for(args, path)
+    outcome = replay(case, impl, against, device=args.device, isolate=args.isolate)
+    console.print(case.describe(), highlight=False, soft_wrap=True)
+    for v in outcome.verdicts.values():
+        console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
+    stored = stored_verdicts(path)
+    if stored:
+        same = True
+        for side, v in outcome.verdicts.items():
+            old = stored.get(side)
+            now = v.to_dict()
+            if old is None or (old["status"], old["ratio"]) != (now["status"], now["ratio"]):
+                same = False
+                console.print(f"{side}: stored {old and (old['status'], old['ratio'])}, now "
+                              f"{(now['status'], now['ratio'])}", highlight=False)
+        console.print("reproduces the stored verdict exactly" if same else "DIFFERS from the stored verdict",
+                      highlight=False)
+    return 1 if outcome.diverged else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -277,6 +362,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fuzz", help="search (Hypothesis) for cases where an implementation diverges; localize them")
     _add_fuzz_arguments(p)
     p.set_defaults(func=cmd_fuzz)
+    for name, func, text in (("minimize", cmd_minimize, "shrink a diverging case.json to the smallest case with the "
+                                                        "same divergence; write minimized.json and repro.py"),
+                             ("replay", cmd_replay, "judge a saved case.json again and compare with its stored verdict")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("case", metavar="CASE.json")
+        p.add_argument("--impl", help="implementation (default: the sides in the verdict.json next to the case)")
+        p.add_argument("--against", help="the other side (default: the float64 oracle, or the recorded side)")
+        p.add_argument("--device", default=None)
+        p.add_argument("--isolate", action="store_true", help="run implementations in a child process")
+        if name == "minimize":
+            p.add_argument("--out", help="output folder (default: the case's folder)")
+            p.add_argument("--max-runs", type=int, default=300, help="at most this many candidate runs")
+        p.set_defaults(func=func)
     p = sub.add_parser("report", help="render saved runs (fuzz output directories) as self-contained HTML pages")
     p.add_argument("runs", nargs="+", metavar="DIR", help="a saved run: summary.json and divergence-*/ folders")
     p.add_argument("--reports", default=None, metavar="ROOT",
@@ -294,12 +392,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from harness import runtime
     from harness.case import CaseError
+    from harness.fuzz import UsageError
 
     runtime.configure()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as err:
+        print(f"ssdiff {args.command}: {err}", file=sys.stderr)
+        return 2
     except CaseError as err:
         # Bad input is one line naming the field, never a traceback.
         print(f"ssdiff: {err}", file=sys.stderr)

@@ -1,0 +1,282 @@
+"""repro.py: a standalone script for one divergence, ready to paste into an upstream issue.
+
+It needs torch and the implementation under test, nothing of ssdiff: the inputs come from ssdiff's own
+drawing function (harness.inputs.draw, inlined verbatim, so the numbers are the ones ssdiff judged), a
+token-by-token float64 oracle is inlined in a few lines, and any CPU stand-in (Triton-interpreter patches,
+causal_conv1d / selective_scan_cuda replacements: harness/standins.py inlined verbatim) is labelled. It prints
+both sides and the oracle, the largest errors against the budgets ssdiff allowed, and exits 1 while the
+divergence exists, 0 once it is fixed.
+
+Implementations written out natively: mamba_ssm.* entry points, ssdiff.triton, and any ``module:function``
+with mamba_chunk_scan_combined's signature. Others (fla, test doubles) are reached through ssdiff's registry,
+and the script says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import pprint
+from importlib import metadata
+from pathlib import Path
+
+import jinja2
+import torch
+
+from harness import inputs as inputs_module
+from harness import runtime, standins
+from harness.case import Case
+from harness.inputs import CHUNK_SCAN_DIFFERENTIABLE, SPLIT_CONV1D_DIFFERENTIABLE, Inputs
+from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, layout_of, storage_dtype
+
+TEMPLATE = Path(__file__).parent / "templates" / "repro.py.j2"
+
+MAMBA_FUNCTIONS = {
+    "mamba_ssm.chunk_scan_combined": ("mamba_chunk_scan_combined", "combined"),
+    "mamba_ssm.chunk_scan": ("mamba_chunk_scan", "plain"),
+    "mamba_ssm.chunk_scan_ref": ("ssd_chunk_scan_combined_ref", "plain"),
+    "mamba_ssm.split_conv1d_combined": ("mamba_split_conv1d_scan_combined", "mixer"),
+    "mamba_ssm.split_conv1d_ref": ("mamba_split_conv1d_scan_ref", "mixer_ref"),
+}
+
+INTERPRETER_PATCHES = '''
+def patch_for_the_triton_interpreter():
+    """The kernels run on the CPU under TRITON_INTERPRET=1; three things they expect from a GPU are faked."""
+    def host(d):
+        return d is None or (isinstance(d, int) and d < 0) or (not isinstance(d, int) and torch.device(d).type == "cpu")
+
+    class device(torch.cuda.device):               # `with torch.cuda.device(x.device.index)`: a no-op on the CPU
+        def __init__(self, d):
+            self.host = host(d)
+            if not self.host:
+                super().__init__(d)
+
+        def __enter__(self):
+            return None if self.host else super().__enter__()
+
+        def __exit__(self, *exc):
+            return False if self.host else super().__exit__(*exc)
+
+    torch.cuda.device = device
+    real_properties = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda d=None: (   # backward kernels size reductions by the SM count
+        types.SimpleNamespace(multi_processor_count=132, name="interpreter", major=9, minor=0)
+        if host(d) or not torch.cuda.is_available() else real_properties(d))
+
+    from triton.runtime.autotuner import Autotuner  # the interpreter cannot benchmark: the first legal config
+    real_run = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        configs = self.configs
+        if self.early_config_prune is not None and len(configs) > 1:
+            self.nargs = dict(zip(self.arg_names, args))
+            configs = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
+        saved, self.configs = self.configs, list(configs[:1])
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            self.configs = saved
+
+    Autotuner.run = run
+    try:                                            # numpy >= 2.4 refuses int() of a 1-element array
+        from triton.runtime import interpreter
+        real_patch = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope):
+            real_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        interpreter._patch_lang_tensor = patch_lang_tensor
+    except (ImportError, AttributeError):
+        pass
+
+
+patch_for_the_triton_interpreter()
+'''
+
+MAMBA_LOADER = '''
+def load_mamba_ssm():
+    """mamba_ssm's Triton ops without its package __init__ (which imports CUDA extensions)."""
+    import importlib
+    import importlib.util
+    spec = importlib.util.find_spec("mamba_ssm")
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("mamba_ssm", package)
+    if importlib.util.find_spec("selective_scan_cuda") is None:      # STAND-IN (see above)
+        sys.modules["selective_scan_cuda"] = selective_scan_cuda
+    modules = [importlib.import_module("mamba_ssm.ops.triton.ssd_combined")]
+    try:
+        modules.append(importlib.import_module("mamba_ssm.ops.selective_scan_interface"))
+    except ImportError:
+        pass
+    for module in modules:                                             # STAND-IN where causal_conv1d is absent
+        for attr, standin in (("causal_conv1d_fn", causal_conv1d_fn), ("causal_conv1d_fwd_function", causal_conv1d_fwd),
+                              ("causal_conv1d_bwd_function", causal_conv1d_bwd),
+                              ("causal_conv1d_cuda", causal_conv1d_cuda)):
+            if attr in vars(module) and getattr(module, attr) is None:
+                setattr(module, attr, standin)
+    return modules[0]
+
+
+ssd_combined = load_mamba_ssm()
+'''
+
+
+def _standins_source() -> str:
+    src = inspect.getsource(standins)
+    src = src.replace("from __future__ import annotations\n", "")
+    return ("# ---- STAND-INS (CPU): causal_conv1d and selective_scan_cuda in torch, ssdiff's harness/standins.py "
+            "verbatim ----\n" + src)
+
+
+def _draw_source() -> str:
+    consts = "\n".join(f"{name} = {pprint.pformat(getattr(inputs_module, name))}"
+                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE"))
+    return consts + "\n\n\n" + inspect.getsource(inputs_module.draw)
+
+
+def _scan_kwargs(case: Case, plain: bool) -> str:
+    args = ['D=t.get("D")', 'z=t.get("z")', 'dt_bias=t.get("dt_bias")', f"dt_softplus={case.dt_softplus}"]
+    if not plain:
+        args += ['initial_states=t.get("initial_states")', "seq_idx=seq"]
+        if case.dt_limit is not None:
+            args.append("dt_limit=DT_LIMIT")
+        args.append(f"return_final_states={case.return_final_states}")
+        if case.varlen_states:
+            args += ["cu_seqlens=CU_SEQLENS", "return_varlen_states=True"]
+    return ", ".join(args)
+
+
+def _mixer_kwargs(case: Case, ref: bool) -> str:
+    args = []
+    if not ref:
+        args += ['initial_states=t.get("initial_states")', "seq_idx=seq",
+                 f"return_final_states={case.return_final_states}"]
+    if case.dt_limit is not None:
+        args.append("dt_limit=DT_LIMIT")
+    args += [f"activation={'silu' if case.activation == 'silu' else None!r}", 'rmsnorm_weight=t.get("rmsnorm_weight")',
+             f"rmsnorm_eps={case.rmsnorm_eps!r}", 'outproj_weight=t.get("outproj_weight")',
+             'outproj_bias=t.get("outproj_bias")', f"headdim={case.headdim}", f"ngroups={case.ngroups}",
+             f"norm_before_gate={case.norm_before_gate}"]
+    return ", ".join(args)
+
+
+RESULT = '''    out = out if isinstance(out, tuple) else (out,)
+    result = {"y": out[0]}
+    if len(out) > 1 and CASE["return_final_states"]:
+        result["final_states"] = out[1]
+    return result'''
+
+
+def _side_code(number: int, spec: str, case: Case) -> tuple:
+    """(code defining side_<number>(t, seq), the packages it needs)"""
+    fn = f"side_{number}"
+    if spec in MAMBA_FUNCTIONS:
+        name, kind = MAMBA_FUNCTIONS[spec]
+        if kind in ("combined", "plain"):
+            call = (f'ssd_combined.{name}(t["x"], t["dt"], t["A"], t["B"], t["C"], {case.chunk_size}, '
+                    f"{_scan_kwargs(case, kind == 'plain')})")
+        else:
+            call = (f'ssd_combined.{name}(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], '
+                    f't["D"], {case.chunk_size}, {_mixer_kwargs(case, kind == "mixer_ref")})')
+        return (f'def {fn}(t, seq):\n    """{spec}: mamba_ssm.ops.triton.ssd_combined.{name}"""\n'
+                f"    out = {call}\n{RESULT}", ("mamba-ssm", "einops"))
+    if spec == "ssdiff.triton" or (":" in spec and case.entry == "chunk_scan"):
+        if spec == "ssdiff.triton":
+            module, attr = (("kernels.ssd.combined", "ssd_chunk_scan_combined") if case.entry == "chunk_scan"
+                            else ("kernels.ssd.mixer", "ssd_split_conv1d_scan_combined"))
+            needs = ("ssdiff's kernels/ package (on PYTHONPATH)",)
+        else:
+            module, attr = spec.split(":", 1)
+            needs = (module.split(".")[0],)
+        if case.entry == "chunk_scan":
+            call = f'FN(t["x"], t["dt"], t["A"], t["B"], t["C"], {case.chunk_size}, {_scan_kwargs(case, False)})'
+        else:
+            call = (f'FN(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], '
+                    f"{case.chunk_size}, {_mixer_kwargs(case, False)})")
+        return (f'def {fn}(t, seq):\n    """{spec}"""\n    import importlib\n'
+                f'    FN = getattr(importlib.import_module("{module}"), "{attr}")\n    out = {call}\n{RESULT}',
+                needs)
+    # Reached through ssdiff's adapter (not standalone): the adapter builds its own inputs from the case.
+    return (f'def {fn}(t, seq):\n    """{spec}: reached through ssdiff\'s registry (this side needs ssdiff '
+            f'installed)."""\n    from harness import runtime\n    runtime.configure()\n'
+            f"    from harness.case import Case\n    from harness.impls import get\n"
+            f"    from harness.inputs import materialize\n    case = Case.from_dict(CASE)\n"
+            f'    res = get("{spec}").run(case, materialize(case, DEVICE))\n'
+            f'    out = dict(res.outputs)\n    out.update({{f"grad.{{k}}": v for k, v in res.grads.items()}})\n'
+            f"    return out", ("ssdiff",))
+
+
+def allowed_errors(case: Case, inputs: Inputs, truth, base, factor: float) -> dict:
+    """For each output and gradient: the largest per-element budget of the verdict (see harness/verdict.py)."""
+    out = {}
+    items = [("output", k, k, v) for k, v in truth.outputs.items() if k != "varlen_states"]
+    items += [("grad", f"grad.{k}", k, v) for k, v in truth.grads.items()]
+    bases = list(base) if isinstance(base, (list, tuple)) else [base]
+    for kind, key, short, t in items:
+        samples = [(e.outputs if kind == "output" else e.grads)[short] for e in bases]
+        layout = layout_of(kind, short, case)
+        mask = judged_mask(kind, short, case, inputs, layout, t.shape)
+        judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(t.device)
+        finite = torch.isfinite(t)
+        for s in samples:
+            finite &= torch.isfinite(s)
+        budget = element_budget(t, [s.to(torch.float64) for s in samples], judged & finite, layout, case,
+                                UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)[0]
+        out[key] = float(budget[judged & finite].max()) if bool((judged & finite).any()) else 0.0
+    return out
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str) -> Path:
+    """Write repro.py for ``case`` judged with ``sides`` (implementation names) on ``inputs.device``."""
+    device = str(inputs.device)
+    side_code, needs = [], []
+    for number, spec in enumerate(sides):
+        code, need = _side_code(number, spec, case)
+        side_code.append(code)
+        needs += [n for n in need if n not in needs]
+    side_code.append("SIDES = {" + ", ".join(f"{spec!r}: side_{i}" for i, spec in enumerate(sides)) + "}")
+    uses_triton = any(s.startswith(("mamba_ssm.", "ssdiff.", "fla.")) or ":" in s for s in sides)
+    interpreter = device == "cpu" and runtime.interpreted() and uses_triton
+    preamble = []
+    if interpreter:
+        preamble.append(INTERPRETER_PATCHES)
+        needs.append("numpy (the Triton interpreter imports it)")
+    if any(s in MAMBA_FUNCTIONS for s in sides):
+        preamble.append(_standins_source())
+        preamble.append(MAMBA_LOADER)
+    if case.varlen_states:
+        preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
+                        f"device=DEVICE)")
+    env_packages = {}
+    if any(s.startswith("mamba_ssm.") for s in sides):
+        env_packages["mamba-ssm"] = _version("mamba-ssm")
+    if any(s.startswith("fla.") for s in sides):
+        env_packages["fla-core"] = _version("fla-core")
+    differentiable = list(CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE)
+    template = jinja2.Template(TEMPLATE.read_text(encoding="utf-8"), keep_trailing_newline=True,
+                               trim_blocks=True, lstrip_blocks=True)
+    text = template.render(
+        title=f"{' vs '.join(sides)} on {case.entry}", case_line=case.describe(), sides=sides, case=case,
+        env={"device": device, "runtime": runtime.describe(), "torch": torch.__version__,
+             "triton": _version("triton"), "packages": env_packages},
+        message=message.strip(), needs_triton=uses_triton, needs=needs, interpreter=interpreter,
+        case_json=pprint.pformat(case.to_dict(), width=110, sort_dicts=False), device=device,
+        allowed={k: v for k, v in allowed_errors(case, inputs, truth, base, factor).items()},
+        factor=factor, draw_source=_draw_source(), preamble="\n\n".join(p.strip("\n") for p in preamble),
+        side_code=side_code, differentiable=differentiable, ssdiff_version=_version("ssdiff"),
+        date=datetime.date.today().isoformat())
+    path = Path(path)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+__all__ = ["write", "allowed_errors"]
