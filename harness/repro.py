@@ -169,6 +169,19 @@ RESULT = '''    out = out if isinstance(out, tuple) else (out,)
     return result'''
 
 
+def _is_plain_callable(spec: str) -> bool:
+    """module:function naming a function (not an ssdiff Implementation object, like the test doubles)."""
+    from harness.impls.base import Implementation
+    from harness.isolate import resolve
+
+    try:
+        target = resolve(spec)
+    except Exception:
+        return True
+    from harness.impls.generic import CallableImplementation
+    return isinstance(target, CallableImplementation) or not isinstance(target, Implementation)
+
+
 def _side_code(number: int, spec: str, case: Case) -> tuple:
     """(code defining side_<number>(t, seq), the packages it needs)"""
     fn = f"side_{number}"
@@ -182,7 +195,7 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
                     f't["D"], {case.chunk_size}, {_mixer_kwargs(case, kind == "mixer_ref")})')
         return (f'def {fn}(t, seq):\n    """{spec}: mamba_ssm.ops.triton.ssd_combined.{name}"""\n'
                 f"    out = {call}\n{RESULT}", ("mamba-ssm", "einops"))
-    if spec == "ssdiff.triton" or (":" in spec and case.entry == "chunk_scan"):
+    if spec == "ssdiff.triton" or (":" in spec and case.entry == "chunk_scan" and _is_plain_callable(spec)):
         if spec == "ssdiff.triton":
             module, attr = (("kernels.ssd.combined", "ssd_chunk_scan_combined") if case.entry == "chunk_scan"
                             else ("kernels.ssd.mixer", "ssd_split_conv1d_scan_combined"))
@@ -201,9 +214,9 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
     # Reached through ssdiff's adapter (not standalone): the adapter builds its own inputs from the case.
     return (f'def {fn}(t, seq):\n    """{spec}: reached through ssdiff\'s registry (this side needs ssdiff '
             f'installed)."""\n    from harness import runtime\n    runtime.configure()\n'
-            f"    from harness.case import Case\n    from harness.impls import get\n"
+            f"    from harness.case import Case\n    from harness.isolate import resolve\n"
             f"    from harness.inputs import materialize\n    case = Case.from_dict(CASE)\n"
-            f'    res = get("{spec}").run(case, materialize(case, DEVICE))\n'
+            f'    res = resolve("{spec}").run(case, materialize(case, DEVICE))\n'
             f'    out = dict(res.outputs)\n    out.update({{f"grad.{{k}}": v for k, v in res.grads.items()}})\n'
             f"    return out", ("ssdiff",))
 

@@ -1,0 +1,109 @@
+"""ssdiff minimize / replay / repro.py: the seed divergence shrinks to a tiny case whose standalone repro fails
+until the one-line upstream fix is applied; planted bugs keep their stage; replay reproduces stored verdicts;
+bad input is refused clearly."""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.case import Case, Regime
+from harness.cli import main
+from harness.fuzz import FuzzConfig, Fuzzer
+from harness.localize import stages
+from harness.minimize import minimize
+
+SEED_PAIR = ("mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref")
+SEED_START = Case(entry="split_conv1d", batch=2, seqlen=24, nheads=4, ngroups=2, headdim=8, dstate=8, chunk_size=16,
+                  rmsnorm=True, D="channel", out_dim=6, regime=Regime(decay="mild"), seed=7)
+
+
+def _run_repro(path: Path, extra_path: str = "") -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": extra_path}
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=path.parent,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def seed_minimized(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed")
+    (out / "case.json").write_text(SEED_START.to_json())
+    return minimize(SEED_START, *SEED_PAIR, device="cpu", out_dir=out)
+
+
+def test_seed_divergence_minimizes_to_a_tiny_grouped_case(seed_minimized):
+    m = seed_minimized.minimal
+    assert (m.batch, m.ngroups) == (1, 2)
+    assert m.nheads <= 4 and m.seqlen <= 8 and m.headdim <= 8 and m.dstate <= 8
+    assert m.rmsnorm, "the divergence needs the gated RMSNorm"
+    sides = seed_minimized.outcome.verdicts
+    assert sides[SEED_PAIR[0]].ok and not sides[SEED_PAIR[1]].ok, "the oracle sides with the combined kernel"
+
+
+def test_seed_repro_fails_until_the_upstream_fix(seed_minimized, tmp_path):
+    repro = seed_minimized.repro_path
+    text = repro.read_text()
+    assert not re.search(r"^\s*(from|import) harness", text, re.M), "repro.py must not need ssdiff"
+    before = _run_repro(repro)
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert "the float64 oracle agrees with mamba_ssm.split_conv1d_combined" in before.stdout
+    # The one-line upstream fix, in a temporary copy: normalize per group of dim // ngroups in the ref too.
+    installed = Path(importlib.util.find_spec("mamba_ssm").submodule_search_locations[0])
+    fixed = tmp_path / "fixed"
+    shutil.copytree(installed, fixed / "mamba_ssm", ignore=shutil.ignore_patterns("__pycache__"))
+    source = fixed / "mamba_ssm" / "ops" / "triton" / "ssd_combined.py"
+    code = source.read_text()
+    call = 'z=rearrange(z, "b l h p -> b l (h p)"), eps=rmsnorm_eps,'
+    assert code.count(call) == 1, "the ref's rmsnorm call moved: update this test"
+    source.write_text(code.replace(call, call + " group_size=dim // ngroups,"))
+    after = _run_repro(repro, extra_path=str(fixed))
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert "no divergence: fixed" in after.stdout
+
+
+def test_replay_reproduces_the_stored_verdict(seed_minimized, capsys):
+    code = main(["replay", str(seed_minimized.out_dir / "minimized.json"), "--impl", SEED_PAIR[0], "--against",
+                 SEED_PAIR[1], "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 1 and "reproduces the stored verdict exactly" in out
+
+
+PLANTED = [
+    ("harness.doubles:group_bug", Case(batch=2, seqlen=24, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+                                       seed=3)),
+    ("harness.doubles:reset_bug", Case(batch=1, seqlen=24, nheads=2, headdim=4, dstate=4, chunk_size=8,
+                                       segments=((10, 14),), regime=Regime(decay="mild"), seed=3)),
+    ("harness.doubles:mask_bug", Case(batch=1, seqlen=21, nheads=2, headdim=4, dstate=4, chunk_size=8, seed=3)),
+]
+
+
+@pytest.mark.parametrize("spec, start", PLANTED, ids=[p[0].split(":")[1] for p in PLANTED])
+def test_planted_bugs_minimize_to_the_same_stage(spec, start, tmp_path):
+    fuzzer = Fuzzer(FuzzConfig(impl=spec, device="cpu", max_time=None, max_examples=1, report_dir=None,
+                               localize=False))
+    before = stages(fuzzer.examine(start, want_stages=True).verdicts[spec])["first"]
+    assert before is not None, "the planted bug must diverge on the starting case"
+    result = minimize(start, spec, device="cpu", out_dir=tmp_path)
+    after = stages(fuzzer.examine(result.minimal, want_stages=True).verdicts[spec])["first"]
+    assert after == before
+    assert result.minimal.seqlen <= start.seqlen and result.minimal.nheads <= start.nheads
+    assert result.minimal != start
+    run = _run_repro(result.repro_path, extra_path=str(Path(__file__).resolve().parents[1]))
+    assert run.returncode == 1, run.stdout + run.stderr
+
+
+def test_minimize_refuses_bad_input(tmp_path, capsys):
+    bad = tmp_path / "case.json"
+    bad.write_text("{not json")
+    assert main(["minimize", str(bad), "--impl", "ref.chunked"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    good = tmp_path / "ok.json"
+    good.write_text(Case().to_json())
+    assert main(["minimize", str(good), "--impl", "no.such.impl"]) == 2
+    assert "unknown implementation 'no.such.impl'" in capsys.readouterr().err
+    assert main(["minimize", str(good), "--impl", "ref.recurrent"]) == 0
+    assert "nothing to minimize" in capsys.readouterr().out
