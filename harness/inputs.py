@@ -216,6 +216,10 @@ def draw(case) -> tuple:
     grad_outputs = {}
     if case.backward:
         grad_outputs["y"] = normal(*y_shape).to(act).to(torch.float64)
+        if case.padding:
+            # Outputs at padding tokens are unspecified (not judged): no cotangent may carry them into gradients.
+            real = torch.arange(L)[None, :] < torch.tensor([L - pad for pad in case.padding])[:, None]
+            grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2))
         if case.final_state_grad:
             grad_outputs["final_states"] = normal(b, h, p, n).to(torch.float32).to(torch.float64)
     return vals, dtypes, grad_outputs
