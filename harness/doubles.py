@@ -263,3 +263,56 @@ aborts = Misbehaving("abort")
 hangs = Misbehaving("hang")
 raises = Misbehaving("raise")
 aborts_with_groups = Misbehaving("abort", only_with_groups=True)
+
+
+# ---- a bug that lives in one autotune config -----------------------------------------------------------------
+
+_scale_kernel = None
+
+
+def _autotuned_copy():
+    """A Triton copy kernel autotuned over two block sizes; the BLOCK=32 config scales by 1.5 (the planted bug).
+    Built on first use so that importing this module does not need Triton."""
+    global _scale_kernel
+    if _scale_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+        @triton.jit
+        def copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(src + offs, mask=mask, other=0.0)
+            if BLOCK == 32:
+                v = v * 1.5
+            tl.store(dst + offs, v, mask=mask)
+
+        _scale_kernel = copy_kernel
+    return _scale_kernel
+
+
+class ConfigBug(ToyKernel):
+    """The healthy toy kernel whose y passes through an autotuned Triton copy; one of its two configs is wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "double.config_bug"
+        self.description = "toy kernel + an autotuned copy whose second config scales y by 1.5"
+        self.capabilities = Capabilities(dtypes=frozenset({"float32"}), backward=False,
+                                         unsupported=frozenset({"varlen_states"}), stages=STAGES)
+
+    def run(self, case, inputs, want_stages=False):
+        import triton
+
+        out = super().run(case, inputs, want_stages)
+        y = out.outputs["y"].contiguous()
+        dst = torch.empty_like(y)
+        kernel = _autotuned_copy()
+        n = y.numel()
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](y, dst, n)
+        out.outputs["y"] = dst
+        return out
+
+
+config_bug = ConfigBug()

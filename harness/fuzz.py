@@ -133,6 +133,7 @@ class FuzzReport:
     tried: int = 0
     skipped: int = 0
     skip_reasons: dict = field(default_factory=dict)
+    harness_errors: list = field(default_factory=list)
     worst: dict = field(default_factory=dict)          # dtype -> {ratio, side, tensor, case}
     worst_by_side: dict = field(default_factory=dict)
     findings: list = field(default_factory=list)
@@ -153,6 +154,7 @@ class FuzzReport:
             "autotune": cfg.autotune, "isolate": cfg.isolate, "timeout_s": cfg.timeout, "seed": cfg.seed,
             "max_time_s": cfg.max_time, "max_examples": cfg.max_examples, "factor": cfg.factor,
             "cases_tried": self.tried, "cases_skipped": self.skipped, "skip_reasons": self.skip_reasons,
+            "harness_errors": self.harness_errors,
             "elapsed_s": round(self.elapsed, 2), "stopped": self.stopped,
             "first_divergence_after_s": None if self.first_divergence_s is None else round(self.first_divergence_s, 2),
             "largest_ratio_by_dtype": self.worst, "largest_ratio_by_side": self.worst_by_side,
@@ -500,7 +502,15 @@ class Fuzzer:
                 self.report.skipped += 1
                 self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
                 return
-            outcome = self.examine(fitted, choice)
+            try:
+                outcome = self.examine(fitted, choice)
+            except Exception as err:
+                # The harness itself (oracle, baseline, judge) failed on this case: a bug of ours, recorded
+                # with the case so it can be replayed, and the search goes on.
+                from harness.isolate import short_error
+
+                self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
+                return
             self.report.tried += 1
             self._note_ratios(outcome)
             ratio = outcome.worst_ratio()

@@ -173,9 +173,15 @@ class IsolatedRunner:
         child.close()
         self._conn = parent
         # Start-up (a fresh interpreter importing torch and triton) does not count against a run's timeout.
-        if not parent.poll(STARTUP_TIMEOUT) or parent.recv() != "ready":
+        try:
+            ready = parent.poll(STARTUP_TIMEOUT) and parent.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            code = self._proc.exitcode
             self._stop(kill=True)
-            raise RuntimeError(f"the isolated worker did not start within {STARTUP_TIMEOUT} s")
+            raise RuntimeError(f"the isolated worker did not start within {STARTUP_TIMEOUT:g} s "
+                               f"({describe_exit(code)})")
 
     def _stop(self, kill: bool):
         proc, conn = self._proc, self._conn
@@ -210,6 +216,9 @@ class IsolatedRunner:
                 return RunResult("hang", detail=f"no result within the {self.timeout:g} s timeout (killed)",
                                  seconds=time.perf_counter() - start)
             result = self._conn.recv()
+            if result.status == "error" and "CUDA" in result.detail:
+                # An asynchronous CUDA error poisons the context: the next run gets a fresh process.
+                self._stop(kill=True)
         except (EOFError, OSError, BrokenPipeError):
             proc = self._proc
             if proc is not None:

@@ -418,8 +418,12 @@ def configs(per_index: list) -> dict:
     if not per_index:
         res["text"] = "autotune configs: not swept"
     elif bad and good:
+        good_configs = {(k, c) for i, _, launches in per_index if i in good for k, _, _, c in launches}
+        culprits = sorted({f"{k} [{c}]" for i, _, launches in per_index if i in bad for k, _, _, c in launches
+                           if (k, c) not in good_configs})
+        res["suspects"] = culprits
         res["text"] = (f"autotune: diverges only with config index {_ranges(bad)} (within budget with "
-                       f"{_ranges(good)})")
+                       f"{_ranges(good)})" + (f"; configs used only there: {'; '.join(culprits)}" if culprits else ""))
     elif bad:
         res["text"] = f"autotune: diverges with every config index swept ({_ranges(bad)})"
     else:
@@ -470,10 +474,6 @@ def describe_primary(verdict: Verdict, stage_result: Optional[dict]) -> Optional
     if not pool:
         return None
     return max(pool, key=lambda t: (t.name == "y", t.ratio if math.isfinite(t.ratio) else 0))
-
-
-def summarize(parts: list) -> str:
-    return "\n".join(p for p in parts if p)
 
 
 __all__ = ["SIMPLIFICATIONS", "simplify", "fit_case", "minimal_trigger", "stages", "coordinates", "configs",

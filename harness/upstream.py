@@ -4,7 +4,11 @@ mamba_ssm's package ``__init__`` imports its CUDA selective-scan extension, so `
 every machine without it (SPEC.md section 4). `mamba_ssm()` registers a bare package object with the installed
 ``__path__`` instead, imports only the Triton ops, puts the float64-checked torch stand-ins of
 harness.standins where causal_conv1d / selective_scan_cuda are missing, and records what it did. Any release
-2.0.0 - 2.3.2.post1 works: put its install directory first on PYTHONPATH (one release per process).
+2.0.0 - 2.3.2.post1 loads this way: put its install directory first on PYTHONPATH (one release per process).
+2.0.0 and 2.0.1 are broken as shipped (2.0.0 imports its own modules as ``src.ops.*``; both import a
+k_activations.py they do not contain) and are reported unavailable with that reason. What a release can
+express is read from it: cu_seqlens / return_varlen_states from the signature, seq_idx = -1 padding from the
+release number (2.2.6.post3 added the check to the chunk-state kernel; verified against 2.2.5 and 2.3.0).
 
 Nothing here raises a traceback at a user for a missing package: `Unavailable` carries a one-line reason,
 which adapters report through `Implementation.unavailable()`.
@@ -114,6 +118,17 @@ class MambaRelease:
     def padding(self) -> bool:
         return version_at_least(self.version, PADDING_SINCE)
 
+    @property
+    def grouped_norm_backward(self) -> bool:
+        """Does the fused mixer's backward pass group_size to the gated RMSNorm (its forward always does)?
+        2.0.4 and 2.1.0 call _layer_norm_bwd without it, 2.2.5 on with it (read from the source)."""
+        fn = getattr(self.ssd_combined, "MambaSplitConv1dScanCombinedFn", None)
+        if fn is None:
+            return True
+        calls = [line for line in inspect.getsource(fn.backward).splitlines()
+                 if "_layer_norm_bwd(" in line and not line.strip().startswith("#")]
+        return all("group_size" in line for line in calls)
+
     def padding_reason(self) -> Optional[str]:
         if self.padding:
             return None
@@ -190,10 +205,10 @@ def _load_mamba() -> MambaRelease:
     try:
         ssd_minimal = importlib.import_module("mamba_ssm.modules.ssd_minimal")
     except ModuleNotFoundError as err:
-        if err.name != "mamba_ssm.modules.ssd_minimal":
-            raise
         ssd_minimal = None
-        missing["ssd_minimal"] = f"{label} has no mamba_ssm/modules/ssd_minimal.py"
+        missing["ssd_minimal"] = (f"{label} has no mamba_ssm/modules/ssd_minimal.py"
+                                  if err.name == "mamba_ssm.modules.ssd_minimal"
+                                  else f"{label}: ssd_minimal does not import ({one_line(err)})")
     except Exception as err:
         ssd_minimal = None
         missing["ssd_minimal"] = f"{label}: ssd_minimal does not import ({one_line(err)})"

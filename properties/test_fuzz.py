@@ -105,6 +105,15 @@ def test_the_oracle_is_said_to_agree_with_the_correct_side_and_the_seed_bug_is_l
     assert finding.outcome.pair["y"] > 1
 
 
+def test_a_bug_in_one_autotune_config_is_pinned_to_it(tmp_path):
+    spec = "harness.doubles:config_bug"
+    finding = only_finding(fuzz(spec, tmp_path, max_examples=40, autotune="random", seed=1))
+    configs = finding.localization["per_side"][spec]["configs"]
+    assert configs["diverging"] == [1] and configs["within_budget"] == [0]
+    assert len(configs["suspects"]) == 1 and configs["suspects"][0].startswith("copy_kernel [BLOCK: 32")
+    assert finding.localization["features"]["trigger"] == []
+
+
 def test_without_exposed_stages_the_stage_is_inferred_from_the_trigger():
     verdict = Verdict(impl="ref-like", status="diverged", ratio=50.0)
     st = localize.stages(verdict, trigger=["groups", "rmsnorm"])

@@ -10,12 +10,14 @@ Every example runs under one autotune configuration index, drawn (``runtime.auto
 ``index % n`` of each kernel), so the configurations of every kernel are swept over the examples.
 
 Judging: harness.verdict (the error budget is a multiple of what a same-precision model kernel,
-harness/baseline.py, naturally gets wrong on the same case, plus a rounding floor; ratio <= 1 passes). No
+harness/baseline.py, naturally gets wrong on the same case — the largest error over its rounding samples —
+plus a rounding floor; ratio <= 1 passes). No
 per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its budgets are tight; on a GPU the
 baseline models TF32 for fp32.
 
-Cost: sized for CI on 2 CPU cores under the Triton interpreter (about 3 minutes in all); the gpu/nightly
-profiles (SSDIFF_PROFILE) multiply the example counts.
+Cost: sized for CI on 2 CPU cores under the Triton interpreter (measured 85 s for the whole file with 10/14/10/5
+generated examples on an idle 2-core machine; now 12/20/16/8, about 2.5 minutes); the gpu/nightly profiles
+(SSDIFF_PROFILE) multiply the example counts by 5 / 20.
 """
 
 from __future__ import annotations
@@ -75,18 +77,27 @@ def _chunk_major(t_tokens: torch.Tensor, Q: int, fill_last: bool) -> torch.Tenso
     return t_tokens.reshape(b, c, Q, h).permute(0, 3, 1, 2).contiguous().float()
 
 
-@_settings(10)
+@_settings(12)
 @given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=False), index=CONFIG_INDEX)
 @example(case=Case(batch=1, seqlen=40, nheads=4, ngroups=2, headdim=20, dstate=18, chunk_size=16, D="channel",
                    has_z=True, initial_states=True, segments=((5, 16, 17),), padding=(2,), varlen_states=True,
                    regime=Regime(decay="mild", layout="strided")), index=1)
+@example(case=Case(batch=2, seqlen=18, nheads=4, headdim=6, ngroups=2, dstate=1, chunk_size=4,
+                   return_final_states=False, regime=Regime(decay="strong", values="integer"), seed=1850), index=0)
 def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
-    """Each stage kernel, fed the oracle's own upstream stages (not the kernels'), matches the oracle stage."""
+    """Each stage kernel, fed upstream stages that do not come from the kernels, matches the oracle stage.
+
+    The upstream stages fed are the same-precision baseline's (harness/baseline.py: float32 values, what a
+    correct kernel hands on): a stage then starts from exactly the inputs the baseline's own stage started
+    from, so the budget (a multiple of the baseline's error) measures this stage alone. (Fed the float64
+    oracle's stages rounded to float32 instead, a stage would inherit a rounding of dA_cumsum the budget does
+    not model: under strong decay exp(cs_i - cs_j) carries eps * |cs| of relative error.)"""
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate(case, inputs)
+    bases = baseline.evaluate_samples(case, inputs)
     t = inputs.native()
     st_ = truth.stages
+    up = bases[0].stages                               # what is fed in: the round-to-nearest sample
     Q, L = case.chunk_size, case.seqlen
     seq_idx = inputs.seq_idx
     results = []
@@ -94,9 +105,9 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
     def check(name, actual, kind="stage", key=None):
         key = key or name
         pool_t = truth.outputs if kind == "output" else st_
-        pool_b = base.outputs if kind == "output" else base.stages
+        samples = [(b.outputs if kind == "output" else b.stages)[key] for b in bases]
         results.append(judge_tensor(f"{kind}.{name}" if kind == "stage" else name, kind, actual, pool_t[key],
-                                    pool_b[key], case, inputs))
+                                    samples, case, inputs))
 
     with runtime.autotune(index):
         dt_out, dA_cs = ssd_chunk_cumsum_fwd(t["dt"], t["A"], Q, dt_bias=t.get("dt_bias"),
@@ -104,17 +115,17 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
         check("dt", chunk_major_to_tokens(dt_out, L))
         check("dA_cumsum", chunk_major_to_tokens(dA_cs, L))
         check("CB", ssd_bmm_fwd(t["C"], t["B"], Q))
-        o_dt = _chunk_major(st_["dt"], Q, fill_last=False)
-        o_cs = _chunk_major(st_["dA_cumsum"], Q, fill_last=True)
+        o_dt = _chunk_major(up["dt"], Q, fill_last=False)
+        o_cs = _chunk_major(up["dA_cumsum"], Q, fill_last=True)
         check("chunk_states", ssd_chunk_state_fwd(t["x"], t["B"], o_dt, o_cs, seq_idx=seq_idx))
-        passed, final = ssd_state_passing_fwd(st_["chunk_states"].float().contiguous(), o_cs, seq_idx=seq_idx,
+        passed, final = ssd_state_passing_fwd(up["chunk_states"].float().contiguous(), o_cs, seq_idx=seq_idx,
                                               initial_states=t.get("initial_states"))
         check("passed_states", passed)
         if case.return_final_states:
             check("final_states", final, kind="output")
-        o_passed = st_["passed_states"].float().contiguous()
+        o_passed = up["passed_states"].float().contiguous()
         out, scan, pregate = ssd_chunk_scan_fwd(
-            t["x"], t["C"], st_["CB"].float().contiguous(), o_dt, o_cs, o_passed, seq_idx=seq_idx, D=t.get("D"),
+            t["x"], t["C"], up["CB"].float().contiguous(), o_dt, o_cs, o_passed, seq_idx=seq_idx, D=t.get("D"),
             z=t.get("z"), return_scan=True, return_pregate=True, pregate_dtype=torch.float32)
         check("scan", scan)
         if "skip" in st_:
@@ -138,7 +149,7 @@ def _run_and_judge(case, index, device, want_stages=False):
         pytest.skip(why)
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate(case, inputs)
+    base = baseline.evaluate_samples(case, inputs)
     with runtime.autotune(index):
         out = impl.run(case, inputs, want_stages=want_stages)
     verdict = judge(IMPL, case, inputs, out, truth, base, stages=want_stages)
@@ -149,7 +160,7 @@ def _run_and_judge(case, index, device, want_stages=False):
     return out
 
 
-@_settings(14)
+@_settings(20)
 @given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=False), index=CONFIG_INDEX)
 @example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True, seq_idx_start=1,
@@ -158,7 +169,7 @@ def test_forward_matches_the_oracle(case, index, device):
     _run_and_judge(case, index, device, want_stages=True)
 
 
-@_settings(10)
+@_settings(16)
 @given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=True), index=CONFIG_INDEX)
 @example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True,
@@ -166,12 +177,15 @@ def test_forward_matches_the_oracle(case, index, device):
 @example(case=Case(batch=1, seqlen=40, nheads=4, ngroups=2, headdim=20, dstate=18, chunk_size=16, D="channel",
                    has_z=True, initial_states=True, dt_limit=(0.01, 0.2), dtype="float16",
                    regime=Regime(layout="strided"), pass_="backward", final_state_grad=True), index=1)
+@example(case=Case(batch=2, seqlen=22, nheads=2, headdim=1, ngroups=2, dstate=1, chunk_size=8, dtype="float16",
+                   has_z=True, dt_softplus=False, return_final_states=False,
+                   regime=Regime(scale=4.0, layout="strided"), pass_="backward", seed=190), index=0)
 def test_backward_matches_the_oracle(case, index, device):
     """Gradients of x, dt, A, B, C, D, z, dt_bias, initial_states (and with a final-state gradient flowing in)."""
     _run_and_judge(case, index, device)
 
 
-@_settings(5)
+@_settings(8)
 @given(case=cases(entry="split_conv1d", dtypes=DTYPES, bounds=Bounds(max_batch=2, max_seqlen=16, max_nheads=4,
                                                                      max_headdim=4, max_dstate=4,
                                                                      chunk_sizes=(4, 8))),
@@ -181,6 +195,10 @@ def test_backward_matches_the_oracle(case, index, device):
                    outproj_bias=True, return_final_states=False, pass_="backward", seed=2920,
                    regime=Regime(dt_large=True, values="integer", scale=0.25, layout="strided")),
          index=1)   # once failed: the conv1d accumulated in fp16 (grad.A 1.06x its budget)
+@example(case=Case(entry="split_conv1d", seqlen=6, nheads=2, headdim=1, dstate=1, chunk_size=8, dtype="float16",
+                   dt_limit=(0.0, 0.05), segments=((1, 5),), return_final_states=False, conv_width=1,
+                   regime=Regime(dt_large=True), pass_="backward", seed=36743),
+         index=0)   # once failed: ds rounded to fp16 in the ddA product (grad.A 1.21x its budget)
 @example(case=Case(entry="split_conv1d", batch=2, seqlen=13, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=4,
                    rmsnorm=True, norm_before_gate=False, d_nonssm=3, out_dim=5, outproj_bias=True,
                    initial_states=True, segments=((6, 7), (13,)), pass_="backward", final_state_grad=True), index=2)
@@ -214,7 +232,7 @@ def test_a_wrong_group_is_caught(device):
     """The judge that passes the kernels fails them when one head reads another group's B (a classic bug)."""
     case = Case(batch=1, seqlen=12, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4)
     inputs = materialize(case, device)
-    truth, base = oracle.evaluate(case, inputs), baseline.evaluate(case, inputs)
+    truth, base = oracle.evaluate(case, inputs), baseline.evaluate_samples(case, inputs)
     impl = get(IMPL)
     _assert_ok(judge(IMPL, case, inputs, impl.run(case, inputs), truth, base))
     wrong = inputs.native()

@@ -12,19 +12,24 @@ with e = impl - oracle (oracle in float64 on the very numbers the implementation
     rms(e) <= rtol * rms(oracle) + atol          and          max|e| <= 8 * rtol * max|oracle| + atol
 
     dtype            outputs   per-token grads   parameter grads   atol
-    float32 (ieee)   2e-5      2e-4              1e-3              1e-6   the interpreter's fp32 dot is exact
+    float32 (ieee)   5e-6      2e-4              1e-3              1e-6   the interpreter's fp32 dot is exact
     float32 (tf32)   5e-3      2e-2              5e-2              1e-5   a GPU's default fp32 dot (SPEC.md 3)
-    float16          3e-3      2e-2              5e-2              1e-4   SPEC.md 7 (fla: 0.005 / 0.01-0.02)
-    bfloat16         2e-2      6e-2              NaN/Inf only      1e-3   SPEC.md 7 (bf16 at scale: 3.5e-3)
+    float16          3e-3      3e-2              0.15              1e-4   SPEC.md 7 (fla: 0.005 / 0.01-0.02)
+    bfloat16         2e-2      0.1               NaN/Inf only      1e-3   SPEC.md 7; not yet measured on a GPU
+
+fp16 gradients get 3e-2 / 0.15 because ill-conditioned cases carry that much error in any fp16 pipeline: with
+the gated RMSNorm after the gate and dt > 20, mamba_split_conv1d_scan_combined and mamba_split_conv1d_scan_ref
+(independent code) both land at d(zxbcdt) 2.0-2.3e-2 and d(conv1d_weight) 0.09-0.11 relative, and pass in fp32.
 
 Parameter gradients (A, D, dt_bias and the mixer's weights) are sums over every token whose terms cancel, so
-their relative error is larger than any per-token quantity's, and their atol is rtol * (the largest RMS of the
-case's per-token gradients): the error of a sum is measured against its summands (under strong decay dA is ~0
-while fla's dg = q.dq - k.dk and mamba's reverse cumsums leave rounding of the summands' size). In bf16 their
-relative error is O(1) for healthy code (measured: 0.74 for ssd_chunk_scan_combined_ref's d(dt_bias)), so there
-only NaN/Inf is judged until the verdict engine's same-precision baseline arrives. atol keeps "both are zero" true when the oracle's value underflows the dtype
-(exp(-350) decays). The measured worst ratios behind these numbers are in issue 3's report (calibrate with
-SSDIFF_TOLERANCE_LOG=FILE SSDIFF_CALIBRATE=1). NaN/Inf where the oracle is finite is its own failure. A case
+their relative error is larger than any per-token quantity's, and their atol is the per-token rtol times the
+largest RMS of the case's per-token gradients: the error of a sum is measured against its summands (under
+strong decay dA is ~0, while fla's dg = q.dq - k.dk and mamba's reverse cumsums leave rounding of the summands'
+size). In bf16 their relative error is O(1) for healthy code (measured: 0.74 for ssd_chunk_scan_combined_ref's
+d(dt_bias)), so there only NaN/Inf is judged until the verdict engine's same-precision baseline arrives. atol
+keeps "both are zero" true when the oracle's value underflows the dtype (exp(-350) decays). The measured worst
+ratios behind these numbers are in issue 3's report (calibrate with SSDIFF_TOLERANCE_LOG=FILE
+SSDIFF_CALIBRATE=1). NaN/Inf where the oracle is finite is its own failure. A case
 whose true outputs or gradients do not fit the dtype (|value| > max/4, e.g. y ~ 1e5 in fp16) is discarded: it
 tests the generator, not the kernel.
 
@@ -33,6 +38,13 @@ Known upstream divergences are kept as strict expected failures, never hidden by
   ngroups > 1 with rmsnorm; the fused mamba_split_conv1d_scan_combined is right (it agrees with the oracle).
 - ssd_chunk_scan_combined_ref's gradients are NaN under strong decay (SPEC.md 3: not a gradient oracle).
 - ssd_minimal_discrete loses ~1% in float16 with typical decay (it sums A*dt over a chunk in fp16).
+- mamba_chunk_scan's backward takes d(dA_cumsum) from a difference its authors call numerically unstable.
+Found by these properties (no upstream issue known to us):
+- mamba_chunk_scan_combined: varlen_states leave out initial_states when the first sequence ends inside the
+  first chunk; with seq_idx = -1 padding ending a row, the backward sends d(final_states) (of a constant 0)
+  into the row's tokens.
+- mamba_split_conv1d_scan_combined's backward crashes with d_nonssm > 0 unless rmsnorm and out_proj are both
+  given; 2.1.0 and earlier drop group_size in the gated RMSNorm backward (ngroups > 1 gradients wrong).
 Each is also a capability limit of its adapter, so the general properties skip exactly that domain.
 """
 
@@ -48,7 +60,7 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
 from hypothesis import strategies as st
 
 from harness import runtime
@@ -68,10 +80,10 @@ REPO = Path(__file__).resolve().parents[1]
 # ---- tolerance -------------------------------------------------------------------------------------------
 
 TOLERANCE = {  # (rtol outputs, rtol per-token gradients, rtol parameter gradients, atol)
-    ("float32", "ieee"): (2e-5, 2e-4, 1e-3, 1e-6),
+    ("float32", "ieee"): (5e-6, 2e-4, 1e-3, 1e-6),
     ("float32", "tf32"): (5e-3, 2e-2, 5e-2, 1e-5),
-    ("float16", None): (3e-3, 2e-2, 5e-2, 1e-4),
-    ("bfloat16", None): (2e-2, 6e-2, math.inf, 1e-3),   # bf16 parameter gradients: NaN/Inf only (below)
+    ("float16", None): (3e-3, 3e-2, 0.15, 1e-4),
+    ("bfloat16", None): (2e-2, 0.1, math.inf, 1e-3),    # bf16 parameter gradients: NaN/Inf only (below)
 }
 MAX_FACTOR = 8.0
 # Gradients of tensors shared by every token: sums over batch and time whose terms cancel.
@@ -145,7 +157,7 @@ def compare(case: Case, got, reference, impl_name: str = "") -> list:
             problems.append(f"grad {key}: missing")
             continue
         if key in PARAMETERS:
-            floor = atol + (rtol_param * summands if math.isfinite(rtol_param) else 0.0)
+            floor = atol + rtol_grad * summands
             problems.append(mismatch(f"grad {key}", got.grads[key], want, rtol_param, floor))
         else:
             problems.append(mismatch(f"grad {key}", got.grads[key], want, rtol_grad, atol))
@@ -287,9 +299,10 @@ def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
 
 
 # Every autotuned kernel runs config (index % its count): drawn, so examples spread over configs and a failure
-# names its config. mamba_ssm kernels have at most 11 configs. "tuned" (benchmarking) is left to a GPU test
-# of its own: benchmarking every new shape would dominate a GPU run.
-CONFIGS = st.integers(0, 11)
+# names its config. mamba_ssm kernels have at most 11 configs. Interpreted, a config costs nothing; on a GPU each
+# one is another compile of every kernel, so properties draw from two and test_every_autotune_config_* sweeps
+# them all on one case. "tuned" (benchmarking every new shape) is left to that test too.
+CONFIGS = st.integers(0, 11) if runtime.interpreted() else st.integers(0, 1)
 
 
 def examples(cpu: int, gpu: int) -> int:
@@ -308,6 +321,8 @@ def quick(impl_name: str) -> bool:
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                                       HealthCheck.data_too_large])
+# Expected failures: finding the first failing example is the point, shrinking it would only cost minutes.
+NO_SHRINK = dict(SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 # ---- which implementations -------------------------------------------------------------------------------
 
@@ -364,7 +379,7 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device):
     """Each upstream implementation agrees with the float64 oracle, within the interim tolerance."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
-    n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=15)
+    n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=6)
     where = None
     if upstream == "mamba_ssm.split_conv1d_ref":
         # #647 (seed 000) lives exactly here; it has its own strict expected failure below.
@@ -375,7 +390,40 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device):
     def agrees(case, config):
         check_against_oracle(impl, case, device, config)
 
+    for case in pinned_cases(impl, dtype, backward, device, where):
+        agrees = example(case=case, config=3)(agrees)
     agrees()
+
+
+# Every feature at once, run first by every property whatever the example budget (narrowed to each adapter).
+PINNED = (
+    Case(batch=2, seqlen=20, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=8, D="channel", has_z=True,
+         dt_limit=(0.01, 2.0), initial_states=True, segments=((5, 12), (9, 8)), padding=(3, 3),
+         regime=Regime(decay="typical", layout="strided"), seed=11),
+    Case(batch=1, seqlen=19, nheads=3, ngroups=3, headdim=4, dstate=5, chunk_size=8, D="head", has_z=False,
+         initial_states=True, segments=((10, 4, 3),), padding=(2,), seq_idx_start=0, varlen_states=True,
+         regime=Regime(decay="mild", dt_large=True), seed=12),
+    Case(entry="split_conv1d", batch=2, seqlen=20, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+         D="channel", rmsnorm=True, norm_before_gate=False, d_nonssm=2, out_dim=6, outproj_bias=True,
+         initial_states=True, dt_limit=(0.001, 1.0), segments=((7, 13), (20,)), seed=13),
+)
+
+
+def pinned_cases(impl, dtype: str, backward: bool, device: str, where=None) -> list:
+    out = []
+    for case in PINNED:
+        if case.entry not in impl.capabilities.entries or (backward and case.varlen_states):
+            continue
+        case = case.replace(dtype=dtype, pass_="backward" if backward else "forward",
+                            final_state_grad=backward and case.return_final_states)
+        case = narrow(case, impl.capabilities.unsupported)
+        if where is not None:
+            case = where(case)
+        if case.entry == "split_conv1d":
+            case = fit_conv_channels(case, bounds_here())
+        if impl.skip_reason(case, device) is None:
+            out.append(case)
+    return out
 
 
 # ---- seed 000: state-spaces/mamba issue #647 --------------------------------------------------------------
@@ -416,7 +464,7 @@ def _split_pair(device):
 def test_seed_647_split_conv1d_combined_vs_ref(device):
     combined, ref = _split_pair(device)
 
-    @settings(max_examples=examples(cpu=3, gpu=10), **SETTINGS)
+    @settings(max_examples=examples(cpu=3, gpu=4), **NO_SHRINK)
     @given(case=seed_647_cases(device))
     def combined_equals_ref(case):
         inputs = materialize(case, device)
@@ -434,7 +482,7 @@ def test_seed_647_split_conv1d_combined_vs_ref(device):
 def test_seed_647_split_conv1d_ref_vs_oracle(device):
     _, ref = _split_pair(device)
 
-    @settings(max_examples=examples(cpu=3, gpu=10), **SETTINGS)
+    @settings(max_examples=examples(cpu=3, gpu=4), **NO_SHRINK)
     @given(case=seed_647_cases(device))
     def ref_agrees(case):
         check_against_oracle(ref, case, device)
@@ -445,14 +493,95 @@ def test_seed_647_split_conv1d_ref_vs_oracle(device):
 def test_seed_647_oracle_agrees_with_combined(device):
     """On #647's domain the fused kernel is the correct side: it matches the float64 oracle."""
     combined, _ = _split_pair(device)
-    check_against_oracle(combined, SEED_647, device)
 
-    @settings(max_examples=examples(cpu=3, gpu=10), **SETTINGS)
+    @settings(max_examples=examples(cpu=3, gpu=4), **SETTINGS)
     @given(case=seed_647_cases(device), config=CONFIGS)
+    @example(case=SEED_647, config=0)
     def combined_agrees(case, config):
         check_against_oracle(combined, case, device, config)
 
     combined_agrees()
+
+
+@pytest.mark.xfail(strict=True, raises=UnboundLocalError,
+                   reason="mamba_split_conv1d_scan_combined's backward makes out0_recompute only when outproj_weight "
+                          "is given but uses it whenever d_nonssm > 0 (found by ssdiff; no upstream issue known)")
+def test_split_conv1d_backward_with_swiglu_and_no_out_proj(device):
+    mixer = usable("mamba_ssm.split_conv1d_combined", "float32", True, device)
+    case = Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
+                pass_="backward")
+    assert "d_nonssm > 0" in mixer.skip_reason(case, device)
+    problems = past_the_limit(mixer, case, device)
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="mamba_split_conv1d_scan_combined's backward with d_nonssm > 0, out_proj and no rmsnorm "
+                          "recomputes only the SSM columns of out_proj's input: d(outproj_weight) has the wrong "
+                          "shape (found by ssdiff; no upstream issue known)")
+def test_split_conv1d_backward_with_swiglu_out_proj_and_no_norm(device):
+    mixer = usable("mamba_ssm.split_conv1d_combined", "float32", True, device)
+    case = Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2, out_dim=3,
+                pass_="backward")
+    assert "d_nonssm > 0" in mixer.skip_reason(case, device)
+    problems = past_the_limit(mixer, case, device)
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=True, reason="mamba_chunk_scan_combined's varlen_states leave out initial_states when "
+                                       "the first sequence ends inside the first chunk (chunk_state_varlen adds the "
+                                       "passed-in state only to sequences begun in an earlier chunk), while y and "
+                                       "final_states use them (found by ssdiff; no upstream issue known)")
+def test_varlen_states_of_a_first_sequence_inside_the_first_chunk(device):
+    impl = usable("mamba_ssm.chunk_scan_combined", "float32", False, device)
+    case = Case(seqlen=19, nheads=3, ngroups=3, headdim=4, dstate=5, chunk_size=8, initial_states=True,
+                segments=((4, 8, 7),), varlen_states=True, regime=Regime(decay="mild"), seed=12)
+    why = impl.skip_reason(case, device)
+    if why and "varlen_states" in why and "cannot express" in why:
+        pytest.skip(why)                                         # a release without varlen states
+    assert "leave out initial_states" in why
+    problems = past_the_limit(impl, case, device)
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=True, reason="with seq_idx = -1 padding ending a row, mamba_chunk_scan_combined's "
+                                       "final_states is 0 but its backward sends d(final_states) into that row's "
+                                       "tokens (the forward skips padding since PR #792, the backward does not; "
+                                       "found by ssdiff)")
+def test_final_state_gradient_of_a_padded_row(device):
+    impl = usable("mamba_ssm.chunk_scan_combined", "float32", True, device)
+    case = Case(seqlen=16, nheads=2, headdim=3, dstate=4, chunk_size=8, segments=((6, 7),), padding=(3,),
+                pass_="backward", final_state_grad=True, seed=3)
+    why = impl.skip_reason(case, device)
+    if why and "does not honor seq_idx = -1" in why:
+        pytest.skip(why)                                         # a release without padding
+    assert "final-state gradient" in why
+    inputs = materialize(case, device)
+    keep = only_specified(case, inputs)
+    reference = evaluate(case, inputs)
+    tensors = inputs.native(requires_grad=True)
+    got = impl.forward(case, tensors, inputs, False)
+    assert float(got.outputs["final_states"].detach().abs().max()) == 0.0  # the forward: a constant 0...
+    got.grads = differentiate(case, inputs, tensors, got.outputs)
+    got.outputs = mask_outputs({k: v.detach() for k, v in got.outputs.items()}, keep)
+    reference.outputs = mask_outputs(reference.outputs, keep)
+    problems = compare(case, got, reference)                               # ...whose gradient is not 0
+    assert not problems, problems
+
+
+def test_old_grouped_norm_backward_is_wrong_where_declared(device):
+    """Releases before 2.2 drop group_size in the mixer's RMSNorm backward: where the adapter declares that
+    limit, the gradients really disagree with the oracle (the limit hides nothing that works)."""
+    mixer = usable("mamba_ssm.split_conv1d_combined", "float32", True, device)
+    case = Case(entry="split_conv1d", seqlen=8, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+                rmsnorm=True, out_dim=4, pass_="backward", seed=5)
+    why = mixer.skip_reason(case, device)
+    from harness import upstream
+    if upstream.mamba_ssm().grouped_norm_backward:
+        assert why is None
+        pytest.skip(f"{upstream.mamba_ssm().label} passes group_size in its backward")
+    assert "group_size" in why
+    assert past_the_limit(mixer, case, device), "declared wrong, yet it agrees with the oracle"
 
 
 # ---- every autotune config -------------------------------------------------------------------------------
@@ -516,7 +645,10 @@ def test_generic_adapter_runs_a_callable_like_the_builtin(device):
     builtin = usable("mamba_ssm.chunk_scan_combined", "float32", True, device)
     generic = CallableImplementation(GENERIC_TARGET)
     assert generic.unavailable() is None
-    assert generic.capabilities.unsupported == frozenset()     # the signature has every parameter
+    from harness import upstream
+    # read from the signature: everything, but cu_seqlens / return_varlen_states only where the release has them
+    assert generic.capabilities.unsupported == (frozenset() if upstream.mamba_ssm().varlen_states
+                                                else frozenset({"varlen_states"}))
     case = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=8, has_z=True, initial_states=True,
                 pass_="backward", final_state_grad=True)
     inputs = materialize(case, device)
@@ -592,6 +724,7 @@ def test_stage_intermediates_match_the_oracle(device):
 # ---- `ssdiff list` ---------------------------------------------------------------------------------------
 
 def test_list_shows_every_implementation_and_why_not():
+    pytest.importorskip("rich", reason="the ssdiff CLI prints with rich, which is not installed here")
     out = subprocess.run([sys.executable, "-m", "harness.cli", "list"], capture_output=True, text=True,
                          cwd=REPO, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr
@@ -616,7 +749,8 @@ def release_dirs() -> list:
 
 RELEASE_SELECTION = os.environ.get(
     "SSDIFF_RELEASE_SELECTION",
-    "test_upstream_matches_oracle and mamba_ssm and float32")
+    "not release and not fla and not float16 and not bfloat16 and not list and not generic "
+    "and not every_autotune_config")
 
 
 @pytest.mark.slow

@@ -167,10 +167,31 @@ class FlaImplementation(Implementation):
         return Outputs(outputs=outputs, notes=[f"{rel.label}: simple_gla with the SSD mapping of SPEC.md 5"])
 
 
+def hopper_backward_refused(device: str) -> bool:
+    """fla-core 0.6 raises in chunk_simple_gla's backward on sm_90 with Triton in [3.4.0, 3.7.1) unless tilelang
+    is installed (measured on an H200 with Triton 3.6.0)."""
+    import importlib.util
+
+    import triton
+
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(torch.device(device))[0] != 9:
+        return False
+    version = tuple(int(v) for v in triton.__version__.split("+")[0].split(".")[:3] if v.isdigit())
+    return (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None
+
+
 class ChunkSimpleGla(FlaImplementation):
     name = "fla.chunk_simple_gla"
     description = "fla chunk_simple_gla (Triton, chunked; GPU only)"
     gpu_only_reason = "chunk_simple_gla does not run under the Triton interpreter (a loop variable is a Python int)"
+
+    def skip_reason(self, case: Case, device: str) -> Optional[str]:
+        if case.backward and hopper_backward_refused(device):
+            return ("fla.chunk_simple_gla: fla refuses the backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 "
+                    "and no tilelang (its issue #640: incorrect gated chunk_bwd_dqkwg)")
+        return super().skip_reason(case, device)
 
     def call(self, q, k, v, g, initial_state, cu_seqlens):
         fn = upstream.fla().simple_gla.chunk_simple_gla

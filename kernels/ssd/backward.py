@@ -404,7 +404,8 @@ def ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cumsum, dchunk_states, seq_idx=None, D=N
     ngp, ngm = triton.cdiv(p, G16), triton.cdiv(Q, G16)
     dx = torch.empty(b, L, h, p, device=x.device, dtype=x.dtype)
     ddt_part = torch.zeros(b, h, nc, ngp, Q, device=x.device, dtype=torch.float32)
-    dD_part = torch.zeros(b, nc, ngm, h, p, device=x.device, dtype=torch.float32) if D is not None else None
+    # (a 1-element dummy without D: the autotuner zeroes every reset_to_zero argument, None included)
+    dD_part = torch.zeros((b, nc, ngm, h, p) if D is not None else (1,), device=x.device, dtype=torch.float32)
     D_c = D.contiguous() if D is not None else None
     ssd_bwd_kernel_dx[lambda m: (b * nc * h, triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]))](
         x, ds, B, CB, dt_out, dA_cumsum, seq_idx, dchunk_states, D_c, dx, ddt_part, dD_part,

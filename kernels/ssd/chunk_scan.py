@@ -58,17 +58,16 @@ def ssd_fwd_kernel_chunk_scan(
 
     b_acc = tl.zeros([BM, BP], dtype=tl.float32)
     # off-diagonal: the state entering the chunk, read by the tokens of the sequence running there
-    if True:
-        p_C = C + i_b.to(tl.int64) * s_c_b + i_g * s_c_g + t_i.to(tl.int64)[:, None] * s_c_l
-        p_H = passed + i_bch.to(tl.int64) * P * N + o_p[None, :] * N
-        for k in range(0, N, BN):
-            o_n = k + tl.arange(0, BN)
-            m_n = o_n < N
-            b_C = tl.load(p_C + o_n[None, :] * s_c_n, mask=m_i[:, None] & m_n[None, :], other=0.0)   # [BM, BN]
-            b_H = tl.load(p_H + o_n[:, None], mask=m_n[:, None] & m_p[None, :], other=0.0)          # [BN, BP]
-            b_acc += tl.dot(b_C, b_H.to(b_C.dtype))
-        m_reach = m_i & (b_seq_i == seq_prev) & (b_seq_i >= 0)
-        b_acc *= tl.where(m_reach, tl.exp(b_cs_i), 0.0)[:, None]
+    p_C = C + i_b.to(tl.int64) * s_c_b + i_g * s_c_g + t_i.to(tl.int64)[:, None] * s_c_l
+    p_H = passed + i_bch.to(tl.int64) * P * N + o_p[None, :] * N
+    for k in range(0, N, BN):
+        o_n = k + tl.arange(0, BN)
+        m_n = o_n < N
+        b_C = tl.load(p_C + o_n[None, :] * s_c_n, mask=m_i[:, None] & m_n[None, :], other=0.0)   # [BM, BN]
+        b_H = tl.load(p_H + o_n[:, None], mask=m_n[:, None] & m_p[None, :], other=0.0)          # [BN, BP]
+        b_acc += tl.dot(b_C, b_H.to(b_C.dtype))
+    m_reach = m_i & (b_seq_i == seq_prev) & (b_seq_i >= 0)
+    b_acc *= tl.where(m_reach, tl.exp(b_cs_i), 0.0)[:, None]
 
     # diagonal block: causal, same sequence
     p_CB = CB + ((i_b.to(tl.int64) * NC + i_c) * G + i_g) * Q * Q + o_i[:, None] * Q

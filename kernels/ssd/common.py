@@ -10,11 +10,8 @@ Conventions (every kernel):
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from kernels.ssd import configs
 
 
 @triton.jit
@@ -51,24 +48,3 @@ def load_seq(seq_idx, o_seq, s_seq_l, o_t, m_t, L, seq_last, HAS_SEQ_IDX: tl.con
     else:
         b_seq = tl.zeros(o_t.shape, dtype=tl.int32)
     return b_seq
-
-
-def launch(name: str, kernel, grid_fn, args: tuple, key: tuple, meta_fn=None, **const):
-    """Launch ``kernel`` with the configuration chosen for ``name`` (kernels.ssd.configs policy).
-
-    grid_fn(cfg) -> grid; meta_fn(cfg) -> dict of block-size constexprs (clamped to the problem)."""
-    def run(cfg):
-        meta = meta_fn(cfg) if meta_fn else {}
-        kernel[grid_fn(meta)](*args, **meta, **const, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-    cfg = configs.choose(name, key, run)
-    run(cfg)
-    return cfg
-
-
-def strides(t, ndim):
-    return tuple(t.stride()) if t is not None else (0,) * ndim
-
-
-def dot_dtype(dtype: torch.dtype):
-    return dtype

@@ -12,7 +12,6 @@ is the scan.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
