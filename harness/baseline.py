@@ -8,7 +8,8 @@ those kernels compute:
 - arithmetic in float32 (register accumulators), including the dA cumsum, exp of segment sums, state passing,
   the D skip, the z gate and the gated RMSNorm;
 - every operand of a matrix product rounded to the *dot precision*: the case dtype for float16 / bfloat16,
-  TF32 (10-bit mantissa) for float32 on a CUDA GPU under Triton's default ``input_precision`` (the H200 table
+  TF32 (10-bit mantissa, truncated as Hopper's tensor cores read fp32 operands) for float32 on a CUDA GPU under
+  Triton's default ``input_precision`` (the H200 table
   in SPEC.md section 7: GPU fp32 is TF32), float32 itself under the Triton interpreter or with
   ``TRITON_F32_DEFAULT=ieee``. The products rounded are the ones Mamba-2 kernels round: C, B; B scaled by
   its decay to the chunk end times dt; C.B^T scaled by the intra-chunk decay times dt; the states entering a
@@ -95,6 +96,19 @@ class _Round(torch.autograd.Function):
         return round_to(_perturb(grad, ctx.precision, ctx.gen), ctx.precision), None, None, None
 
 
+class _RoundGrad(torch.autograd.Function):
+    """Identity on the way forward; round (perturbed first in a sample) the gradient on the way back."""
+
+    @staticmethod
+    def forward(ctx, t, precision, gen):
+        ctx.precision, ctx.gen = precision, gen
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_to(_perturb(grad, ctx.precision, ctx.gen), ctx.precision), None, None
+
+
 class Rounding:
     """Where the model kernel rounds. ``dot``: a computed matrix-product operand (the dot precision);
     ``operand``: an input used as one (already exact in its dtype, so only TF32 rounds it); ``store``: a
@@ -127,6 +141,20 @@ class Rounding:
 
     def keep(self, t):
         return self._apply(t, "float32")
+
+    def grad_store(self, t):
+        """A result whose gradient the backward kernels store in the case dtype (the gradient reaching the
+        pre-gate output through the z gate: Mamba-2's dz kernel writes it in the input dtype)."""
+        if self.store_precision is None and self.gen is None:
+            return t
+        return _RoundGrad.apply(t, self.store_precision or "float32", self.gen)
+
+    def grad_operand(self, t):
+        """A product's result whose *gradient* the backward kernels round as an operand (Mamba-2's dstates
+        kernel rounds dout * exp(dA_cs) to the input dtype before its dot with C)."""
+        if self.dot_precision == "float32" and self.gen is None:
+            return t
+        return _RoundGrad.apply(t, self.dot_precision, self.gen)
 
 
 EXACT = Rounding("float32", None)
@@ -196,19 +224,23 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     prev_last = torch.cat([torch.zeros_like(last_seq[:, :1]), last_seq[:, :-1]], dim=1)
     survives = (last_seq == prev_last) & (last_seq >= 0)
     chunk_decay = torch.exp(cs_g[:, :, -1])
-    state = initial_states.reshape(b, g, r, p, n) if initial_states is not None else x.new_zeros(b, g, r, p, n)
+    # Backward, the gradient of the state at each chunk boundary (dstates) runs through the recurrence in
+    # float32 but is stored in the input dtype where it is used: for the chunk states' inputs and as the
+    # initial states' gradient (Mamba-2's state-passing backward, dstates_dtype=x.dtype).
+    state = rounding.grad_store(initial_states.reshape(b, g, r, p, n)) if initial_states is not None \
+        else x.new_zeros(b, g, r, p, n)
     entering = []
     for k in range(c):
         entering.append(state)
         carry = (chunk_decay[:, k] * survives[:, k, None, None])[..., None, None]
-        state = keep(carry * state + chunk_states[:, k])
+        state = keep(carry * state + rounding.grad_store(chunk_states[:, k]))
     passed = torch.stack(entering, dim=1)                                    # (b, c, g, r, p, n)
     final = state.reshape(b, h, p, n)
 
     # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
     reaches = (seq_c == prev_last[:, :, None]) & real_c
     from_start = torch.exp(cs_g) * reaches[..., None, None]                  # (b, c, Q, g, r)
-    y_off = torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed)) * from_start[..., None]
+    y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
     y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
 
     inside = (torch.arange(c * Q, device=dev) < L).reshape(c, Q)
@@ -222,27 +254,30 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     }
     varlen = None
     if want_varlen and seq_idx is not None and b == 1:
-        varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], d_g[0], x_c[0], B_c[0], passed[0], prev_last[0], Q, L)
+        varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], d_g[0], xq[0], Bq[0], passed[0], prev_last[0], Q, L,
+                                      rounding)
     if D is not None:
         y = y + (D[:, None] if D.dim() == 1 else D) * x
         stages["skip"] = y
     if z is not None:
-        y = y * F.silu(z)
+        y = rounding.grad_store(y) * F.silu(z)
         stages["gated"] = y
     return y, final, varlen, stages
 
 
-def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L):
-    """The state after the last token of each sequence of one batch row, in float32: (nseq, h, p, n)."""
+def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L, rounding: Rounding = EXACT):
+    """The state after the last token of each sequence of one batch row, in float32: (nseq, h, p, n); the
+    products' operands rounded as for the chunk states (B scaled by decay and dt; the entering state)."""
     ends = [t for t in range(L) if seq[t] >= 0 and (t == L - 1 or seq[t + 1] != seq[t])]
     states = []
     for t in ends:
         k, i = divmod(t, Q)
         members = seq[k * Q:k * Q + i + 1] == seq[t]
         w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * d_g[k, :i + 1] * members[:, None, None]
-        state = torch.einsum("jgrp,jgn->grpn", w[..., None] * x_c[k, :i + 1], B_c[k, :i + 1])
+        Bs = rounding.dot(B_c[k, :i + 1, :, None, :] * w[..., None])                     # (j, g, r, n)
+        state = torch.einsum("jgrp,jgrn->grpn", x_c[k, :i + 1], Bs)
         if seq[t] == prev_last[k]:
-            state = state + torch.exp(cs_g[k, i])[..., None, None] * passed[k]
+            state = state + torch.exp(cs_g[k, i])[..., None, None] * rounding.dot(passed[k])
         g, r, p, n = state.shape
         states.append(state.reshape(g * r, p, n))
     return torch.stack(states) if states else None
