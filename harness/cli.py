@@ -198,11 +198,21 @@ def cmd_fuzz(args) -> int:
     else:
         report = fuzzer.run()
         err_console.print(line(), highlight=False, soft_wrap=True)
+    minimize_each = not getattr(args, "no_minimize", False)
     for finding in report.findings:
         console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
                      f"{finding.cases_before + 1} cases judged)")
         console.print(fuzzer.message(finding), highlight=False, markup=False, soft_wrap=True)
         console.print(f"-> {finding.path}", highlight=False, soft_wrap=True)
+        if minimize_each and finding.outcome.verdicts and all(
+                v.status not in ("crash", "hang") for v in finding.outcome.verdicts.values()):
+            _minimize_finding(finding, config, err_console)
+    if minimize_each and report.findings and report.report_path and config.report_dir:
+        from harness.report import render_run
+
+        report.report_path = str(render_run(report.out_dir, config.report_dir))    # now with minimized cases
+    if report.report_path:
+        console.print(f"report: {report.report_path}", highlight=False, soft_wrap=True)
     worst = ", ".join(f"{d} {w['ratio']:.3g}x ({w['tensor']}, {w['side']})" for d, w in sorted(report.worst.items()))
     console.print(f"{report.tried} cases judged, {report.skipped} skipped; stopped: {report.stopped}; "
                   f"largest ratio to budget: {worst or 'none'}", highlight=False, soft_wrap=True)
@@ -215,6 +225,25 @@ def cmd_fuzz(args) -> int:
                   f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
                   soft_wrap=True)
     return report.exit_code
+
+
+def _minimize_finding(finding, config, err_console) -> None:
+    """Minimize one fuzz finding in place: minimized.json, minimized-verdict.json and repro.py in its folder."""
+    import time
+
+    from harness.minimize import NotDiverging, minimize
+
+    start = time.perf_counter()
+    try:
+        result = minimize(finding.outcome.case, config.impl, config.against, device=config.device,
+                          out_dir=finding.path, choice=finding.outcome.choice if finding.outcome.choice != "sweep"
+                          else "tuned", max_runs=150, isolate=config.isolate)
+    except NotDiverging as exc:
+        err_console.print(f"  minimize: {exc}", highlight=False, soft_wrap=True)
+        return
+    console.print(f"minimized in {time.perf_counter() - start:.1f} s ({result.shrunk.runs} runs): "
+                  f"{result.minimal.describe()}", highlight=False, soft_wrap=True)
+    console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
 
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,
@@ -256,6 +285,7 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per run under --isolate")
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
     p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
+    p.add_argument("--no-minimize", action="store_true", help="do not minimize divergences (minimized.json, repro.py)")
     p.add_argument("--oracle", choices=ORACLES, default=None, help="the float64 truth (default ref.chunked)")
     for name in ("batch", "seqlen", "nheads", "headdim", "dstate"):
         p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",
