@@ -82,7 +82,7 @@ PLANTED = [
 
 
 @pytest.mark.parametrize("spec, start", PLANTED, ids=[p[0].split(":")[1] for p in PLANTED])
-def test_planted_bugs_minimize_to_the_same_stage(spec, start, tmp_path):
+def test_planted_bugs_minimize_to_the_same_stage(spec, start, tmp_path, capsys):
     fuzzer = Fuzzer(FuzzConfig(impl=spec, device="cpu", max_time=None, max_examples=1, report_dir=None,
                                localize=False))
     before = stages(fuzzer.examine(start, want_stages=True).verdicts[spec])["first"]
@@ -94,6 +94,8 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, tmp_path):
     assert result.minimal != start
     run = _run_repro(result.repro_path, extra_path=str(Path(__file__).resolve().parents[1]))
     assert run.returncode == 1, run.stdout + run.stderr
+    assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", "cpu"]) == 1
+    assert "reproduces the stored verdict exactly" in capsys.readouterr().out
 
 
 def test_minimize_refuses_bad_input(tmp_path, capsys):
