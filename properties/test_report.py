@@ -251,8 +251,9 @@ def test_a_clean_run_says_so_with_cases_and_the_largest_ratio(clean_run):
     assert "divergence-001" not in text
 
 
-def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, workdir):
-    copy = workdir / "with-repro"
+def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, tmp_path):
+    # a private copy: under pytest-xdist the shared run folder is read by other workers at the same time
+    copy = tmp_path / "with-repro"
     shutil.copytree(planted_run.out, copy)
     folder = copy / "divergence-001"
     smaller = planted_run.case(1).replace(batch=1, seqlen=16, seed=7, segments=None, padding=None, seq_idx_start=0,
@@ -260,7 +261,7 @@ def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, 
     (folder / "minimized.json").write_text(smaller.to_json())
     repro = 'import sys\nprint("<both sides> & exit 1")\nsys.exit(1)\n'
     (folder / "repro.py").write_text(repro)
-    text = render.render_run(copy, workdir / "reports").read_text()
+    text = render.render_run(copy, tmp_path / "reports").read_text()
     part = section(text, 1)
     assert "minimized <span" in part and smaller.describe() in part
     assert re.search(r'<tr class="changed"><td class="mono">seqlen</td>', part)
