@@ -90,6 +90,11 @@ def kernel_devices() -> frozenset:
     return frozenset({"cpu"}) if interpreted() else frozenset({"cuda"} if has_gpu() else set())
 
 
+def no_triton_reason() -> Optional[str]:
+    """Why Triton kernels cannot run here at all, or None."""
+    return None if kernel_devices() else "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
+
+
 # ---- dtype gating ----------------------------------------------------------------------------------------
 
 BF16_REASON = ("bfloat16 runs only on a GPU: the Triton interpreter's bf16 tl.dot is garbage (errors ~1e10) "

@@ -90,9 +90,7 @@ class FlaImplementation(Implementation):
             return problem
         if self.gpu_only_reason and not runtime.has_gpu():
             return f"needs a GPU: {self.gpu_only_reason}"
-        if not self.pure_torch and not runtime.kernel_devices():
-            return "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
-        return None
+        return None if self.pure_torch else runtime.no_triton_reason()
 
     @property
     def capabilities(self) -> Capabilities:

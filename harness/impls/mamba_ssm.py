@@ -74,9 +74,7 @@ class MambaImplementation(Implementation):
                 return rel.missing[key]
         if self.function_name and not hasattr(rel.ssd_combined, self.function_name):
             return f"{rel.label} has no {self.function_name}"
-        if not self.pure_torch and not runtime.kernel_devices():
-            return "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
-        return None
+        return None if self.pure_torch else runtime.no_triton_reason()
 
     @property
     def capabilities(self) -> Capabilities:

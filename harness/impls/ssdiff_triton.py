@@ -33,9 +33,7 @@ class SsdiffTriton(Implementation):
                             backward=True, stages=("conv",) + SCAN_STAGES + ("normed", "y"))
 
     def unavailable(self) -> Optional[str]:
-        if not runtime.kernel_devices():
-            return "no Triton runtime here: no GPU, and TRITON_INTERPRET is not 1"
-        return None
+        return runtime.no_triton_reason()
 
     def skip_reason(self, case: Case, device: str) -> Optional[str]:
         why = runtime.dtype_skip_reason(case.dtype)
