@@ -116,7 +116,7 @@ class FlaImplementation(Implementation):
 
     def call(self, q, k, v, g, initial_state, cu_seqlens):
         """Run the fla function: returns (o (B, T, H, V), final state (N, H, K, V))."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} must define call()")
 
     def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
         t = tensors
