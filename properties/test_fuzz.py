@@ -105,6 +105,20 @@ def test_the_oracle_is_said_to_agree_with_the_correct_side_and_the_seed_bug_is_l
     assert finding.outcome.pair["y"] > 1
 
 
+def test_the_real_seed_divergence_is_found_and_its_stage_measured(tmp_path):
+    """mamba_split_conv1d_scan_combined vs mamba_split_conv1d_ref (mamba-ssm as installed): the ref's own
+    intermediates (conv, the scan's output, the RMSNorm's output) are recorded, so the stage is measured."""
+    good, bad = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
+    finding = only_finding(fuzz(good, tmp_path, against=bad, max_examples=100, pass_="forward",
+                                dtypes=("float32",), seed=1))
+    loc = finding.localization
+    assert loc["sides"]["oracle_agrees_with"] == [good] and loc["sides"]["diverging"] == [bad]
+    stages = loc["per_side"][bad]["stages"]
+    assert stages["first"] == "normed" and not stages["inferred"], stages["text"]
+    assert set(stages["within_budget"]) >= {"conv", "skip"}
+    assert set(loc["features"]["trigger"]) == {"groups", "rmsnorm"}
+
+
 def test_a_bug_in_one_autotune_config_is_pinned_to_it(tmp_path):
     spec = "harness.doubles:config_bug"
     finding = only_finding(fuzz(spec, tmp_path, max_examples=40, autotune="random", seed=1))

@@ -23,6 +23,8 @@ is excluded there by the property, not here, because the reference is what the s
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Optional
 
@@ -387,14 +389,42 @@ class SplitConv1dRef(MambaImplementation):
                                                        "d_nonssm"})
 
     def forward(self, case, tensors, inputs, want_stages):
-        fn = self.release.ssd_combined.mamba_split_conv1d_scan_ref
+        module = self.release.ssd_combined
+        fn = module.mamba_split_conv1d_scan_ref
         t = tensors
-        y = fn(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], case.chunk_size,
-               dt_limit=case.dt_limit_or_default, activation=_activation(case),
-               rmsnorm_weight=t.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
-               outproj_weight=t.get("outproj_weight"), outproj_bias=t.get("outproj_bias"), headdim=case.headdim,
-               ngroups=case.ngroups, norm_before_gate=case.norm_before_gate)
-        return Outputs(outputs={"y": y}, notes=self.notes())
+        stages = {}
+        with _recording(module, stages, case) if want_stages else contextlib.nullcontext():
+            y = fn(t["zxbcdt"], t["conv1d_weight"], t["conv1d_bias"], t["dt_bias"], t["A"], t["D"], case.chunk_size,
+                   dt_limit=case.dt_limit_or_default, activation=_activation(case),
+                   rmsnorm_weight=t.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
+                   outproj_weight=t.get("outproj_weight"), outproj_bias=t.get("outproj_bias"), headdim=case.headdim,
+                   ngroups=case.ngroups, norm_before_gate=case.norm_before_gate)
+        return Outputs(outputs={"y": y}, stages=stages, notes=self.notes())
+
+
+@contextlib.contextmanager
+def _recording(module, stages: dict, case: Case):
+    """Record the ref's own intermediates as stages by wrapping the three functions it calls through its
+    module's globals: causal_conv1d_fn (conv), ssd_selective_scan (skip, or gated when z gates inside the
+    scan) and rmsnorm_fn (normed). The wrapped functions compute exactly what they did; only the outputs are
+    kept."""
+    saved = {name: getattr(module, name) for name in ("causal_conv1d_fn", "ssd_selective_scan", "rmsnorm_fn")}
+
+    def wrap(name, stage, to_stage):
+        def recorded(*args, **kwargs):
+            out = saved[name](*args, **kwargs)
+            stages[stage] = to_stage(out).detach()
+            return out
+        return recorded
+
+    module.causal_conv1d_fn = wrap("causal_conv1d_fn", "conv", lambda out: out.transpose(1, 2))
+    module.ssd_selective_scan = wrap("ssd_selective_scan", "skip" if case.rmsnorm else "gated", lambda out: out)
+    module.rmsnorm_fn = wrap("rmsnorm_fn", "normed", lambda out: out)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 IMPLEMENTATIONS = (ChunkScanCombined(), ChunkScan(), ChunkScanRef(), SsdMinimal(), SplitConv1dCombined(),
