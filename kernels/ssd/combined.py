@@ -63,7 +63,8 @@ class SSDChunkScanCombinedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *rest):
         if ctx.return_varlen_states:
-            raise NotImplementedError("return_varlen_states is forward only")
+            raise RuntimeError("return_varlen_states=True is forward only (as in mamba_chunk_scan_combined): call "
+                               "without it to differentiate")
         x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, pregate = ctx.saved_tensors
         dfinal = rest[0] if rest else None
         g = ssd_combined_bwd(dout, x, dt, A, B, C, ctx.chunk_size, D=D, z=z, dt_bias=dt_bias,
