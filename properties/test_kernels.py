@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from harness import baseline, oracle, runtime
@@ -144,9 +143,9 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
 
 def _run_and_judge(case, index, device, want_stages=False):
     impl = get(IMPL)
-    why = impl.skip_reason(case, device)
-    if why:
-        pytest.skip(why)
+    # A case outside the kernels' capabilities is rejected (Hypothesis draws another); pytest.skip here would
+    # skip the whole property on the first such draw.
+    assume(impl.skip_reason(case, device) is None)
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
     base = baseline.evaluate_samples(case, inputs)
