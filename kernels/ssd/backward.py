@@ -3,8 +3,8 @@
 dS_k = dL/dS_k = G_{k+1} (from the reverse state recurrence, state_passing.py).
 
     gate      ds = dy silu(z);  dz = dy o silu'(z)            (o: output before gating, kept by the forward)
-    dcb       dCB[g, i, j] = sum_{h in g} mask_ij exp(cs_i - cs_j) dt_j (ds_i . x_j)
-    ddA_diag  per head, G_ij = CB_ij * (the summand above): ddA_t = sum_{i >= t} sum_{j < t} G_ij, computed as
+    dcb_ddA   dCB[g, i, j] = sum_{h in g} mask_ij exp(cs_i - cs_j) dt_j (ds_i . x_j)   and, from the same
+              per-head summand (one pass), G_ij = CB_ij * (summand): ddA_t = sum_{i >= t} sum_{j < t} G_ij as
               a running prefix (never as dcs_i = rowsum - colsum then a reverse cumsum, which cancels the
               large diagonal terms catastrophically in float32 under strong decay)
     dbc (C)   dC_i = sum_j dCB_ij B_j + sum_{h in g} reach_i exp(cs_i) H_k^T ds_i;  dcs_i += C_i . (that 2nd term)
@@ -76,35 +76,45 @@ def ssd_gate_bwd(dy, z, pregate):
     return ds, dz
 
 
-# ---- dCB and the intra-chunk part of dcs ------------------------------------------------------------------
+# ---- dCB and the intra-chunk gradient of dA, in one pass -------------------------------------------------
 
-@configs.autotune("bwd_dcb", key=["Q", "P", "HPG"])
+@configs.autotune("bwd_dcb_ddA", key=["Q", "P", "HPG"])
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
 @triton.jit
-def ssd_bwd_kernel_dcb(
-    x, ds, dt_out, dA_cs, seq_idx, dCB,
-    L, H, G, HPG, NC, Q, P,
+def ssd_bwd_kernel_dcb_ddA(
+    x, ds, CB, dt_out, dA_cs, seq_idx, dCB, ddA_part, run,
+    L, H, G, HPG, NC, Q, P, NGQ,
     s_x_b, s_x_l, s_x_h, s_x_p, s_d_b, s_d_l, s_d_h, s_d_p, s_seq_b, s_seq_l,
     HAS_SEQ_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
 ):
-    i_bcg, i_mn = tl.program_id(0), tl.program_id(1)
-    n_n = tl.cdiv(Q, BN)
-    i_m, i_n = i_mn // n_n, i_mn % n_n
+    """Per group and i-tile, walking the j-tiles up to the diagonal in order, each head's
+    W_ij = mask_ij exp(cs_i - cs_j) dt_j (ds_i . x_j) is formed once and used twice:
+      dCB_ij = sum_{h in g} W_ij                                           (j <= i)
+      G_ij = CB_ij W_ij (i > j: the diagonal never depends on dA);  ddA_t = sum_{i >= t} sum_{j < t} G_ij,
+    the latter with a running row prefix per head (kept in ``run`` between j-tiles): F_s = sum_{i > s}
+    sum_{j <= s} G_ij is a column sum of an inclusive row cumsum, ddA_{s+1} = F_s. No term is added and
+    subtracted again, so tiny gradients under strong decay survive in float32."""
+    i_bcg, i_m = tl.program_id(0), tl.program_id(1)
     i_b, i_c, i_g = i_bcg // (NC * G), (i_bcg // G) % NC, i_bcg % G
     o_i = i_m * BM + tl.arange(0, BM)
-    o_j = i_n * BN + tl.arange(0, BN)
-    t_i, t_j = i_c * Q + o_i, i_c * Q + o_j
+    t_i = i_c * Q + o_i
     m_i = (o_i < Q) & (t_i < L)
-    m_j = (o_j < Q) & (t_j < L)
     o_seq = i_b.to(tl.int64) * s_seq_b
     seq_last, seq_prev = seq_bounds(seq_idx, o_seq, s_seq_l, i_c, L, Q, HAS_SEQ_IDX)
     b_seq_i = load_seq(seq_idx, o_seq, s_seq_l, t_i, o_i < Q, L, seq_last, HAS_SEQ_IDX)
-    b_seq_j = load_seq(seq_idx, o_seq, s_seq_l, t_j, o_j < Q, L, seq_last, HAS_SEQ_IDX)
-    m_ij = (o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :] \
-        & (b_seq_i[:, None] == b_seq_j[None, :]) & (b_seq_j[None, :] >= 0)
-    m_q = (o_i < Q)[:, None] & (o_j < Q)[None, :]
-    b_acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if i_n * BN < (i_m + 1) * BM:           # tiles strictly above the diagonal stay zero
+    p_CB = CB + i_bcg.to(tl.int64) * Q * Q
+    p_dCB = dCB + i_bcg.to(tl.int64) * Q * Q
+    hi = tl.minimum((i_m + 1) * BM, Q)
+    for k in range(0, hi, BN):
+        o_j = k + tl.arange(0, BN)
+        t_j = i_c * Q + o_j
+        m_j = (o_j < Q) & (t_j < L)
+        b_seq_j = load_seq(seq_idx, o_seq, s_seq_l, t_j, o_j < Q, L, seq_last, HAS_SEQ_IDX)
+        m_ij = (o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :] \
+            & (b_seq_i[:, None] == b_seq_j[None, :]) & (b_seq_j[None, :] >= 0)
+        m_q = (o_i < Q)[:, None] & (o_j < Q)[None, :]
+        b_cb = tl.load(p_CB + o_i[:, None] * Q + o_j[None, :], mask=m_q, other=0.0)
+        b_dcb = tl.zeros([BM, BN], dtype=tl.float32)
         for hh in range(HPG):
             i_h = i_g * HPG + hh
             o_cs = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * Q
@@ -112,105 +122,56 @@ def ssd_bwd_kernel_dcb(
             b_cs_j = tl.load(dA_cs + o_cs + o_j, mask=o_j < Q, other=0.0)
             b_dt_j = tl.load(dt_out + o_cs + o_j, mask=o_j < Q, other=0.0)
             b_M = tl.zeros([BM, BN], dtype=tl.float32)
-            for k in range(0, P, BP):
-                o_p = k + tl.arange(0, BP)
+            for kp in range(0, P, BP):
+                o_p = kp + tl.arange(0, BP)
                 m_p = o_p < P
                 b_ds = tl.load(ds + i_b.to(tl.int64) * s_d_b + t_i.to(tl.int64)[:, None] * s_d_l + i_h * s_d_h
                                + o_p[None, :] * s_d_p, mask=m_i[:, None] & m_p[None, :], other=0.0)    # [BM, BP]
                 b_x = tl.load(x + i_b.to(tl.int64) * s_x_b + t_j.to(tl.int64)[None, :] * s_x_l + i_h * s_x_h
                               + o_p[:, None] * s_x_p, mask=m_p[:, None] & m_j[None, :], other=0.0)     # [BP, BN]
                 b_M += tl.dot(b_ds.to(b_x.dtype), b_x)
-            b_decay = tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf")))
-            b_acc += b_M * b_decay * b_dt_j[None, :]
-    tl.store(dCB + i_bcg.to(tl.int64) * Q * Q + o_i[:, None] * Q + o_j[None, :], b_acc, mask=m_q)
-
-
-def ssd_dcb_bwd(x, ds, dt_out, dA_cumsum, ngroups, seq_idx=None):
-    """dCB (b, c, g, Q, Q) float32 (zero above the diagonal)."""
-    b, L, h, p = x.shape
-    nc, Q = dA_cumsum.shape[2], dA_cumsum.shape[3]
-    g = ngroups
-    dCB = torch.empty(b, nc, g, Q, Q, device=x.device, dtype=torch.float32)
-    ssd_bwd_kernel_dcb[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]) * triton.cdiv(Q, m["BN"]))](
-        x, ds, dt_out, dA_cumsum, seq_idx, dCB, L, h, g, h // g, nc, Q, p,
-        *x.stride(), *ds.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)))
-    return dCB
-
-
-# ---- the intra-chunk gradient of dA, without cancellation ---------------------------------------------------
-
-@configs.autotune("bwd_ddA", key=["Q", "P"], reset_to_zero=["ddA_part"])
-@triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
-@triton.jit
-def ssd_bwd_kernel_ddA_diag(
-    x, ds, CB, dt_out, dA_cs, seq_idx, ddA_part,
-    L, H, G, NC, Q, P, NGQ,
-    s_x_b, s_x_l, s_x_h, s_x_p, s_d_b, s_d_l, s_d_h, s_d_p, s_seq_b, s_seq_l,
-    HAS_SEQ_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BP: tl.constexpr,
-):
-    """With G_ij = CB_ij mask_ij exp(cs_i - cs_j) dt_j (ds_i . x_j) (i > j: the diagonal never depends on dA):
-    ddA_t = sum_{i >= t} sum_{j < t} G_ij. Per i-tile, walking the j-tiles in order with a running row prefix,
-    F_s = sum_{i > s} sum_{j <= s} G_ij is a column sum of an inclusive row cumsum; ddA_{s+1} = F_s. No term
-    is added and subtracted again, so tiny gradients under strong decay survive in float32."""
-    i_bch, i_m = tl.program_id(0), tl.program_id(1)
-    i_b, i_c, i_h = i_bch // (NC * H), (i_bch // H) % NC, i_bch % H
-    i_g = i_h // (H // G)
-    o_i = i_m * BM + tl.arange(0, BM)
-    t_i = i_c * Q + o_i
-    m_i = (o_i < Q) & (t_i < L)
-    o_seq = i_b.to(tl.int64) * s_seq_b
-    seq_last, seq_prev = seq_bounds(seq_idx, o_seq, s_seq_l, i_c, L, Q, HAS_SEQ_IDX)
-    b_seq_i = load_seq(seq_idx, o_seq, s_seq_l, t_i, o_i < Q, L, seq_last, HAS_SEQ_IDX)
-    o_cs = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * Q
-    b_cs_i = tl.load(dA_cs + o_cs + o_i, mask=o_i < Q, other=0.0)
-    p_CB = CB + ((i_b.to(tl.int64) * NC + i_c) * G + i_g) * Q * Q
-    b_run = tl.zeros([BM], dtype=tl.float32)
-    o_part = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * NGQ + i_m * (BM // 16)
-    hi = tl.minimum((i_m + 1) * BM, Q)
-    for k in range(0, hi, BN):
+            b_W = b_M * tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf"))) * b_dt_j[None, :]
+            b_dcb += b_W
+            b_G = tl.where(m_ij & (o_j[None, :] < o_i[:, None]), b_cb * b_W, 0.0)
+            p_run = run + o_cs + o_i
+            b_run = tl.load(p_run, mask=(o_i < Q) & (k > 0), other=0.0)
+            b_cum = b_run[:, None] + tl.cumsum(b_G, axis=1)                                    # sum_{j <= s}
+            b_F = tl.sum(tl.where(o_i[:, None] > o_j[None, :], b_cum, 0.0), axis=0)             # sum_{i > s}
+            o_part = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * NGQ + i_m * (BM // 16)
+            tl.store(ddA_part + o_part * Q + o_j + 1, b_F, mask=(o_j + 1) < Q)
+            tl.store(p_run, b_run + tl.sum(b_G, axis=1), mask=o_i < Q)
+            tl.debug_barrier()          # the next j-tile's load of ``run`` may come from another thread
+        tl.store(p_dCB + o_i[:, None] * Q + o_j[None, :], b_dcb, mask=m_q)
+    for k in range(hi, Q, BN):                  # above the diagonal: dCB is zero, and so is F (no i > s here)
         o_j = k + tl.arange(0, BN)
-        t_j = i_c * Q + o_j
-        m_j = (o_j < Q) & (t_j < L)
-        b_cs_j = tl.load(dA_cs + o_cs + o_j, mask=o_j < Q, other=0.0)
-        b_dt_j = tl.load(dt_out + o_cs + o_j, mask=o_j < Q, other=0.0)
-        b_seq_j = load_seq(seq_idx, o_seq, s_seq_l, t_j, o_j < Q, L, seq_last, HAS_SEQ_IDX)
-        m_ij = (o_j[None, :] < o_i[:, None]) & m_i[:, None] & m_j[None, :] \
-            & (b_seq_i[:, None] == b_seq_j[None, :]) & (b_seq_j[None, :] >= 0)
-        b_M = tl.zeros([BM, BN], dtype=tl.float32)
-        for kp in range(0, P, BP):
-            o_p = kp + tl.arange(0, BP)
-            m_p = o_p < P
-            b_ds = tl.load(ds + i_b.to(tl.int64) * s_d_b + t_i.to(tl.int64)[:, None] * s_d_l + i_h * s_d_h
-                           + o_p[None, :] * s_d_p, mask=m_i[:, None] & m_p[None, :], other=0.0)
-            b_x = tl.load(x + i_b.to(tl.int64) * s_x_b + t_j.to(tl.int64)[None, :] * s_x_l + i_h * s_x_h
-                          + o_p[:, None] * s_x_p, mask=m_p[:, None] & m_j[None, :], other=0.0)
-            b_M += tl.dot(b_ds.to(b_x.dtype), b_x)
-        b_cb = tl.load(p_CB + o_i[:, None] * Q + o_j[None, :], mask=(o_i < Q)[:, None] & (o_j < Q)[None, :],
-                       other=0.0)
-        b_decay = tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf")))
-        b_G = tl.where(m_ij, b_cb * b_M * b_decay * b_dt_j[None, :], 0.0)                         # [BM, BN]
-        b_cum = b_run[:, None] + tl.cumsum(b_G, axis=1)                                         # sum_{j <= s}
-        b_F = tl.sum(tl.where(o_i[:, None] > o_j[None, :], b_cum, 0.0), axis=0)                  # sum_{i > s}
-        tl.store(ddA_part + o_part * Q + o_j + 1, b_F, mask=(o_j + 1) < Q)
-        b_run += tl.sum(b_G, axis=1)
+        tl.store(p_dCB + o_i[:, None] * Q + o_j[None, :], tl.zeros([BM, BN], dtype=tl.float32),
+                 mask=(o_i < Q)[:, None] & (o_j < Q)[None, :])
+        for hh in range(HPG):
+            o_part = ((i_b.to(tl.int64) * H + i_g * HPG + hh) * NC + i_c) * NGQ + i_m * (BM // 16)
+            tl.store(ddA_part + o_part * Q + o_j + 1, tl.zeros([BN], dtype=tl.float32), mask=(o_j + 1) < Q)
+    for hh in range(HPG):                       # ddA_0: no j < 0
+        o_part = ((i_b.to(tl.int64) * H + i_g * HPG + hh) * NC + i_c) * NGQ + i_m * (BM // 16)
+        tl.store(ddA_part + o_part * Q, 0.0)
 
 
-def ssd_ddA_diag_bwd(x, ds, CB, dt_out, dA_cumsum, seq_idx=None):
-    """The intra-chunk part of the gradient at dA = dt*A (b, h, c, Q) float32 (added after, not through, the
-    reverse cumsum)."""
+def ssd_dcb_ddA_bwd(x, ds, CB, dt_out, dA_cumsum, seq_idx=None):
+    """dCB (b, c, g, Q, Q) float32 (zero above the diagonal), and the intra-chunk part of the gradient at
+    dA = dt*A (b, h, c, Q) float32 (added after, not through, the reverse cumsum)."""
     b, L, h, p = x.shape
     _, nc, g, Q, _ = CB.shape
     ngq = triton.cdiv(Q, G16)
-    part = torch.zeros(b, h, nc, ngq, Q, device=x.device, dtype=torch.float32)
-    ssd_bwd_kernel_ddA_diag[lambda m: (b * nc * h, triton.cdiv(Q, m["BM"]))](
-        x, ds, CB, dt_out, dA_cumsum, seq_idx, part, L, h, g, nc, Q, p, ngq,
+    dCB = torch.empty(b, nc, g, Q, Q, device=x.device, dtype=torch.float32)
+    part = torch.empty(b, h, nc, ngq, Q, device=x.device, dtype=torch.float32)
+    run = torch.empty(b, h, nc, Q, device=x.device, dtype=torch.float32)
+    ssd_bwd_kernel_dcb_ddA[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]))](
+        x, ds, CB, dt_out, dA_cumsum, seq_idx, dCB, part, run, L, h, g, h // g, nc, Q, p, ngq,
         *x.stride(), *ds.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)))
-    return part.sum(3)
+    return dCB, configs.used_slots(part, ssd_bwd_kernel_dcb_ddA, "BM", 3).sum(3)
 
 
 # ---- dB, dC (per group: heads summed inside the program) ---------------------------------------------------
 
-@configs.autotune("bwd_dbc", key=["Q", "P", "N", "HPG", "IS_DC"], reset_to_zero=["dcs_part"])
+@configs.autotune("bwd_dbc", key=["Q", "P", "N", "HPG", "IS_DC"])
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
 @triton.jit
 def ssd_bwd_kernel_dbc(
@@ -294,12 +255,12 @@ def _dbc(is_dc, U, V, W, dCB, dt_out, dA_cumsum, seq_idx, states, out_dtype):
     nc, Q = dA_cumsum.shape[2], dA_cumsum.shape[3]
     ngn = triton.cdiv(n, G16)
     out = torch.empty(b, L, g, n, device=U.device, dtype=out_dtype)
-    part = torch.zeros(b, h, nc, ngn, Q, device=U.device, dtype=torch.float32)
+    part = torch.empty(b, h, nc, ngn, Q, device=U.device, dtype=torch.float32)
     ssd_bwd_kernel_dbc[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]) * triton.cdiv(n, m["BN"]))](
         U, V, W, dCB, dt_out, dA_cumsum, seq_idx, states, out, part, L, h, g, h // g, nc, Q, p, n, ngn,
         *U.stride(), *V.stride(), *W.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         IS_DC=is_dc)
-    return out, part.sum(3)
+    return out, configs.used_slots(part, ssd_bwd_kernel_dbc, "BN", 3).sum(3)
 
 
 def ssd_dC_bwd(ds, B, C, dCB, dA_cumsum, passed_states, seq_idx=None):
@@ -314,7 +275,7 @@ def ssd_dB_bwd(x, B, C, dCB, dt_out, dA_cumsum, dchunk_states, seq_idx=None):
 
 # ---- dx, ddt (direct part), dD ------------------------------------------------------------------------------
 
-@configs.autotune("bwd_dx", key=["Q", "P", "N"], reset_to_zero=["ddt_part", "dD_part"])
+@configs.autotune("bwd_dx", key=["Q", "P", "N"])
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None, "HAS_D": lambda a: a["D"] is not None})
 @triton.jit
 def ssd_bwd_kernel_dx(
@@ -403,9 +364,8 @@ def ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cumsum, dchunk_states, seq_idx=None, D=N
     nc, Q = dA_cumsum.shape[2], dA_cumsum.shape[3]
     ngp, ngm = triton.cdiv(p, G16), triton.cdiv(Q, G16)
     dx = torch.empty(b, L, h, p, device=x.device, dtype=x.dtype)
-    ddt_part = torch.zeros(b, h, nc, ngp, Q, device=x.device, dtype=torch.float32)
-    # (a 1-element dummy without D: the autotuner zeroes every reset_to_zero argument, None included)
-    dD_part = torch.zeros((b, nc, ngm, h, p) if D is not None else (1,), device=x.device, dtype=torch.float32)
+    ddt_part = torch.empty(b, h, nc, ngp, Q, device=x.device, dtype=torch.float32)
+    dD_part = torch.empty((b, nc, ngm, h, p), device=x.device, dtype=torch.float32) if D is not None else None
     D_c = D.contiguous() if D is not None else None
     ssd_bwd_kernel_dx[lambda m: (b * nc * h, triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]))](
         x, ds, B, CB, dt_out, dA_cumsum, seq_idx, dchunk_states, D_c, dx, ddt_part, dD_part,
@@ -413,10 +373,10 @@ def ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cumsum, dchunk_states, seq_idx=None, D=N
         *(seq_idx.stride() if seq_idx is not None else (0, 0)), D_PER_CHANNEL=D is not None and D.dim() == 2)
     dD = None
     if D is not None:
-        dD = dD_part.sum((0, 1, 2))
+        dD = configs.used_slots(dD_part, ssd_bwd_kernel_dx, "BM", 2).sum((0, 1, 2))
         if D.dim() == 1:
             dD = dD.sum(-1)
-    return dx, ddt_part.sum(3), dD
+    return dx, configs.used_slots(ddt_part, ssd_bwd_kernel_dx, "BP", 3).sum(3), dD
 
 
 # ---- through the cumsum and the dt processing ---------------------------------------------------------------
@@ -489,16 +449,21 @@ def ssd_chunk_cumsum_bwd(dcs, T, ddA, ddt_direct, dt, A, dt_bias=None, dt_softpl
 # ---- the whole backward ---------------------------------------------------------------------------------------
 
 def ssd_combined_bwd(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                     seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), pregate=None, dfinal=None):
-    """Gradients of every input. The forward intermediates (dt, cumsum, CB, states) are recomputed;
-    ``pregate`` (output before z gating) must be given when z is.
+                     seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), pregate=None, dfinal=None,
+                     forward=None):
+    """Gradients of every input. ``pregate`` (output before z gating) must be given when z is. ``forward``:
+    (dt_out, dA_cumsum, float32 passed states) kept by the forward; without it (or where an entry is None)
+    they are recomputed. CB is always recomputed.
 
     Returns dict: x, dt, A, B, C, D, z, dt_bias, initial_states (None where the input is None)."""
-    dt_out, dA_cs = ssd_chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                         dt_limit=dt_limit)
+    dt_out, dA_cs, passed = forward if forward is not None else (None, None, None)
+    if dt_out is None or dA_cs is None:
+        dt_out, dA_cs = ssd_chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                             dt_limit=dt_limit)
     CB = ssd_bmm_fwd(C, B, chunk_size)
-    states = ssd_chunk_state_fwd(x, B, dt_out, dA_cs, seq_idx=seq_idx)
-    passed, _ = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states)
+    if passed is None or passed.dtype != torch.float32:
+        states = ssd_chunk_state_fwd(x, B, dt_out, dA_cs, seq_idx=seq_idx)
+        passed, _ = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states)
     dz = None
     if z is not None:
         ds, dz = ssd_gate_bwd(dy, z, pregate)
@@ -507,8 +472,7 @@ def ssd_combined_bwd(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=Non
     dH = ssd_chunk_state_bwd_dstates(ds, C, dA_cs, seq_idx=seq_idx)
     dS, dinit, dcs_last = ssd_state_passing_bwd(dH, passed, dA_cs, seq_idx=seq_idx, dfinal=dfinal,
                                                 need_dinitial=initial_states is not None)
-    dCB = ssd_dcb_bwd(x, ds, dt_out, dA_cs, B.shape[2], seq_idx=seq_idx)
-    ddA = ssd_ddA_diag_bwd(x, ds, CB, dt_out, dA_cs, seq_idx=seq_idx)
+    dCB, ddA = ssd_dcb_ddA_bwd(x, ds, CB, dt_out, dA_cs, seq_idx=seq_idx)
     dC, dcs_C = ssd_dC_bwd(ds, B, C, dCB, dA_cs, passed, seq_idx=seq_idx)
     dB, T = ssd_dB_bwd(x, B, C, dCB, dt_out, dA_cs, dS, seq_idx=seq_idx)
     dx, ddt_direct, dD = ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cs, dS, seq_idx=seq_idx, D=D)

@@ -48,11 +48,17 @@ class SSDChunkScanCombinedFn(torch.autograd.Function):
                 return_final_states=False, return_varlen_states=False):
         if seq_idx is not None and seq_idx.dtype != torch.int32:
             seq_idx = seq_idx.to(torch.int32)
+        grad = any(ctx.needs_input_grad)
         res = ssd_combined_fwd(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                                initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                                dt_softplus=dt_softplus, dt_limit=dt_limit,
-                               return_varlen_states=return_varlen_states, keep_pregate=z is not None)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, res.pregate)
+                               return_varlen_states=return_varlen_states, keep_pregate=z is not None,
+                               keep_states=grad)
+        # Kept for the backward (mamba_chunk_scan_combined recomputes them): the processed dt and its cumsum
+        # (2 floats per token and head) and the float32 states entering each chunk (dstate/chunk_size of
+        # x's element count, in float32). Recomputing them is the chunk-state and state-passing stages again.
+        kept = (res.dt_out, res.dA_cumsum, res.passed_states) if grad else (None, None, None)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, res.pregate, *kept)
         ctx.chunk_size, ctx.dt_softplus, ctx.dt_limit = chunk_size, dt_softplus, dt_limit
         ctx.return_varlen_states = return_varlen_states
         out = res.out
@@ -65,11 +71,12 @@ class SSDChunkScanCombinedFn(torch.autograd.Function):
         if ctx.return_varlen_states:
             raise RuntimeError("return_varlen_states=True is forward only (as in mamba_chunk_scan_combined): call "
                                "without it to differentiate")
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, pregate = ctx.saved_tensors
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, pregate, dt_out, dA_cs, passed = ctx.saved_tensors
         dfinal = rest[0] if rest else None
         g = ssd_combined_bwd(dout, x, dt, A, B, C, ctx.chunk_size, D=D, z=z, dt_bias=dt_bias,
                              initial_states=initial_states, seq_idx=seq_idx, dt_softplus=ctx.dt_softplus,
-                             dt_limit=ctx.dt_limit, pregate=pregate, dfinal=dfinal)
+                             dt_limit=ctx.dt_limit, pregate=pregate, dfinal=dfinal,
+                             forward=(dt_out, dA_cs, passed))
         return (g["x"], g["dt"], g["A"], g["B"], g["C"], None, g["D"], g["z"], g["dt_bias"], g["initial_states"],
                 None, None, None, None, None, None)
 

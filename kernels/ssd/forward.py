@@ -24,7 +24,7 @@ class ForwardResult:
     dA_cumsum: torch.Tensor                # (b, h, c, Q) float32
     CB: torch.Tensor                       # (b, c, g, Q, Q) float32
     chunk_states: torch.Tensor             # (b, c, h, p, n) float32
-    passed_states: torch.Tensor            # (b, c, h, p, n) float32
+    passed_states: torch.Tensor            # (b, c, h, p, n) float32 (C's dtype without stages)
     pregate: Optional[torch.Tensor] = None  # (b, L, h, p): after D, before z
     scan: Optional[torch.Tensor] = None     # (b, L, h, p) float32: before D
     varlen_states: Optional[torch.Tensor] = None
@@ -32,14 +32,21 @@ class ForwardResult:
 
 def ssd_combined_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                      seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
-                     return_varlen_states=False, keep_pregate=False, stages=False) -> ForwardResult:
+                     return_varlen_states=False, keep_pregate=False, keep_states=False,
+                     stages=False) -> ForwardResult:
     """Run every forward stage. ``keep_pregate``: keep the output before z gating (backward needs it);
-    ``stages``: keep the fp32 scan output and an fp32 pre-gate output too (for localization)."""
+    ``keep_states``: passed states in float32 (the backward reuses them); ``stages``: keep the fp32 scan
+    output and an fp32 pre-gate output too (for localization)."""
     dt_out, dA_cs = ssd_chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                          dt_limit=dt_limit)
     CB = ssd_bmm_fwd(C, B, chunk_size)
     states = ssd_chunk_state_fwd(x, B, dt_out, dA_cs, seq_idx=seq_idx)
-    passed, final = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states)
+    # The chunk scan reads the passed states rounded to C's dtype (its tensor-core operand): stored that way
+    # they cost half the traffic, bit for bit the same output. Kept in float32 where they are read exactly
+    # (varlen states, the backward) or reported (stages).
+    exact = stages or keep_states or return_varlen_states or C.dtype == torch.float32
+    passed, final = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states,
+                                          out_dtype=None if exact else C.dtype)
     want_pregate = (keep_pregate and z is not None) or (stages and (D is not None or z is not None))
     out, scan, pregate = ssd_chunk_scan_fwd(
         x, C, CB, dt_out, dA_cs, passed, seq_idx=seq_idx, D=D, z=z, return_scan=stages,

@@ -44,21 +44,22 @@ def ssd_fwd_kernel_state_passing(
         b_state = tl.zeros([BS], dtype=tl.float32)
     for k in range(NC):
         o_k = (i_b.to(tl.int64) * NC + k) * H + i_h
-        tl.store(passed + o_k * PN + o_s, b_state, mask=m_s)
+        tl.store(passed + o_k * PN + o_s, b_state.to(passed.dtype.element_ty), mask=m_s)
         keep = _keep(dA_cs, seq_idx, i_b, i_h, k, H, NC, L, Q, s_seq_b, s_seq_l, HAS_SEQ_IDX)
         b_S = tl.load(S + o_k * PN + o_s, mask=m_s, other=0.0)
         b_state = keep * b_state + b_S
     tl.store(final + i_bh.to(tl.int64) * PN + o_s, b_state, mask=m_s)
 
 
-def ssd_state_passing_fwd(chunk_states, dA_cumsum, seq_idx=None, initial_states=None):
+def ssd_state_passing_fwd(chunk_states, dA_cumsum, seq_idx=None, initial_states=None, out_dtype=None):
     """chunk_states (b, c, h, p, n) float32, dA_cumsum (b, h, c, Q), initial_states (b, h, p, n) or None.
 
-    Returns (passed_states (b, c, h, p, n), final_states (b, h, p, n)), float32."""
+    Returns (passed_states (b, c, h, p, n) in ``out_dtype`` (default float32; the recurrence itself runs in
+    float32 either way), final_states (b, h, p, n) float32)."""
     b, nc, h, p, n = chunk_states.shape
     Q = dA_cumsum.shape[-1]
     L = seq_idx.shape[1] if seq_idx is not None else nc * Q
-    passed = torch.empty_like(chunk_states)
+    passed = torch.empty_like(chunk_states, dtype=out_dtype or torch.float32)
     final = torch.empty(b, h, p, n, device=chunk_states.device, dtype=torch.float32)
     h0 = initial_states.float().contiguous() if initial_states is not None else None
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
@@ -67,7 +68,7 @@ def ssd_state_passing_fwd(chunk_states, dA_cumsum, seq_idx=None, initial_states=
     return passed, final
 
 
-@configs.autotune("bwd_state_passing", key=["PN"], reset_to_zero=["dkeep"])
+@configs.autotune("bwd_state_passing", key=["PN"])
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None,
                     "HAS_DFINAL": lambda a: a["dfinal"] is not None,
                     "HAS_INITIAL_STATES": lambda a: a["dinitial"] is not None})
@@ -111,7 +112,7 @@ def ssd_state_passing_bwd(dH_out, passed, dA_cumsum, seq_idx=None, dfinal=None, 
     dfin = dfinal.float().contiguous() if dfinal is not None else None
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
     ns = triton.cdiv(PN, configs.GRANULE)
-    dkeep = torch.zeros(b, h, nc, ns, device=passed.device, dtype=torch.float32)
+    dkeep = torch.empty(b, h, nc, ns, device=passed.device, dtype=torch.float32)
     ssd_bwd_kernel_state_passing[lambda m: (b * h, triton.cdiv(PN, m["BS"]))](
         dH_out, passed, dA_cumsum, seq_idx, dfin, dS, dinit, dkeep, L, h, nc, Q, PN, ns, *seq_strides)
-    return dS, dinit, dkeep.sum(-1)
+    return dS, dinit, configs.used_slots(dkeep, ssd_bwd_kernel_state_passing, "BS", 3).sum(-1)

@@ -1,0 +1,199 @@
+"""Where the time goes, and which tile sizes win: a GPU tool for kernel work (not a test, not the benchmark).
+
+    python -m kernels.tune --shape 2,16384,128,64,128,8 --dtype bfloat16 --profile
+    python -m kernels.tune --shape 2,16384,128,64,128,8 --wide --json tuned.json
+
+--profile: one forward and one forward+backward of ssdiff's kernels and of mamba_chunk_scan_combined under
+           torch.profiler; prints each GPU kernel's time per call (ms), summed over its launches.
+--wide:    replaces every ssdiff kernel's autotune list by a wide grid of tile sizes, warps and stages
+           (WIDE below), compiles the grid in parallel worker processes (one config index each, through
+           harness.runtime.autotune(index)), then lets triton's autotuner benchmark every config of every
+           kernel at this shape and prints, per kernel, the best configs and their times. --json writes them.
+
+Inputs as kernels.benchmark (Mamba-2-like: D per head, dt_bias, softplus; chunk 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _grid(names, values, warps=(4, 8), stages=(2, 3)):
+    import triton
+    out = []
+    for combo in itertools.product(*values, warps, stages):
+        kw = dict(zip(names, combo[:len(names)]))
+        out.append(triton.Config(kw, num_warps=combo[-2], num_stages=combo[-1]))
+    return out
+
+
+def wide() -> dict:
+    """Candidate configs per kernel name of kernels.ssd.configs (sized for Q=256, p=64, n=128 and near)."""
+    import triton
+    return {
+        "cumsum": [triton.Config({"BH": bh}, num_warps=w) for bh in (4, 8, 16, 32) for w in (1, 2, 4)],
+        "bmm": _grid(("BM", "BN", "BK"), ((64, 128), (64, 128), (32, 64, 128)), stages=(2, 3, 4)),
+        "chunk_state": _grid(("BP", "BN", "BK"), ((32, 64), (64, 128), (32, 64, 128))),
+        "bwd_dstates": _grid(("BP", "BN", "BK"), ((32, 64), (64, 128), (32, 64, 128))),
+        "state_passing": [triton.Config({"BS": bs}, num_warps=w) for bs in (128, 256, 512, 1024, 2048)
+                          for w in (1, 2, 4, 8)],
+        "bwd_state_passing": [triton.Config({"BS": bs}, num_warps=w) for bs in (128, 256, 512, 1024, 2048)
+                              for w in (1, 2, 4, 8)],
+        "chunk_scan": _grid(("BM", "BP", "BK", "BN"), ((64, 128), (32, 64), (32, 64), (64, 128))),
+        "bwd_dcb_ddA": _grid(("BM", "BN", "BP"), ((32, 64, 128), (32, 64), (32, 64))),
+        "bwd_dbc": _grid(("BM", "BN", "BK", "BP"), ((64, 128), (64, 128), (32, 64), (32, 64))),
+        "bwd_dx": _grid(("BM", "BP", "BK", "BN"), ((64, 128), (32, 64), (32, 64), (64, 128))),
+        "bwd_cumsum": [triton.Config({"BH": bh}, num_warps=w) for bh in (4, 8, 16, 32) for w in (1, 2, 4)],
+    }
+
+
+def install_wide() -> int:
+    from kernels.ssd import configs
+    import kernels.ssd.backward  # noqa: F401 - registers the backward tuners
+    import kernels.ssd.combined  # noqa: F401
+    grids = wide()
+    for name, tuners in configs.TUNERS.items():
+        if name in grids:
+            for t in tuners:
+                t.configs = list(grids[name])
+    return max(len(v) for v in grids.values())
+
+
+def fwd_bwd(t, dy, Q, impl="ssdiff"):
+    if impl == "ssdiff":
+        from kernels.ssd.combined import ssd_chunk_scan_combined as fn
+    else:
+        from harness import upstream
+        fn = upstream.mamba_ssm().ssd_combined.mamba_chunk_scan_combined
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
+    y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], Q, D=leaves["D"],
+           dt_bias=leaves["dt_bias"], dt_softplus=True)
+    torch.autograd.backward(y, dy)
+    return y
+
+
+def forward(t, Q, impl="ssdiff"):
+    with torch.no_grad():
+        if impl == "ssdiff":
+            from kernels.ssd.combined import ssd_chunk_scan_combined as fn
+        else:
+            from harness import upstream
+            fn = upstream.mamba_ssm().ssd_combined.mamba_chunk_scan_combined
+        return fn(t["x"], t["dt"], t["A"], t["B"], t["C"], Q, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+
+
+def profile(t, dy, Q, iters=3) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    for impl in ("ssdiff", "mamba"):
+        for label, fn in (("forward", lambda: forward(t, Q, impl)), ("forward+backward", lambda: fwd_bwd(t, dy, Q, impl))):
+            fn()
+            torch.cuda.synchronize()
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(iters):
+                    fn()
+                torch.cuda.synchronize()
+            rows = []
+            for e in p.key_averages():
+                dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                if dev > 0:
+                    rows.append((dev / iters / 1e3, e.count // iters, e.key))
+            rows.sort(reverse=True)
+            total = sum(r[0] for r in rows)
+            print(f"\n## {impl} {label}: {total:.3f} ms of GPU kernels per call")
+            for ms, n, key in rows[:25]:
+                print(f"  {ms:8.3f} ms  x{n:<3d} {key[:110]}")
+
+
+MAMBA_CONFIGS = 12    # mamba_ssm's kernels have at most 11 autotune configs
+
+
+def worker(index: int, stride: int, count: int, t, dy, Q, mamba: bool) -> None:
+    """Compile (and run once) config ``i`` of every kernel, for i = index, index + stride, ... < count."""
+    from harness import runtime
+    for i in range(index, count, stride):
+        for impl in ("ssdiff", "mamba") if mamba and i < MAMBA_CONFIGS else ("ssdiff",):
+            try:
+                with runtime.autotune(i):
+                    fwd_bwd(t, dy, Q, impl)
+                torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001 - a config that does not fit is the tuner's business
+                print(f"worker {index}: {impl} config index {i}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+
+
+def report(path=None) -> dict:
+    from kernels.ssd import configs
+    out = {}
+    for name, tuners in configs.TUNERS.items():
+        for k, tuner in enumerate(tuners):
+            timings = getattr(tuner, "configs_timings", None)
+            if not timings:
+                continue
+            ranked = sorted(((v[0] if isinstance(v, (list, tuple)) else v, str(c)) for c, v in timings.items()))
+            label = name if len(tuners) == 1 else f"{name}[{k}]"
+            out[label] = ranked
+            print(f"\n## {label}: {len(ranked)} configs, best {ranked[0][0]:.4f} ms, worst finite "
+                  f"{max(r[0] for r in ranked if r[0] != float('inf')):.4f} ms")
+            for ms, cfg in ranked[:6]:
+                print(f"  {ms:8.4f} ms  {cfg}")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2,16384,128,64,128,8", help="b,L,h,p,n,g")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--wide", action="store_true")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--json")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from harness import runtime
+    from kernels.benchmark import DTYPES, make_inputs
+    runtime.configure()
+    shape = tuple(int(v) for v in args.shape.split(","))
+    t, dy = make_inputs(shape, DTYPES[args.dtype], "cuda")
+    Q = args.chunk_size
+    count = install_wide() if args.wide else MAMBA_CONFIGS
+    if args.worker is not None:
+        worker(args.worker, args.workers, count, t, dy, Q, mamba=args.profile)
+        return 0
+    # compile in parallel first: the autotuners below then only benchmark (triton's cache holds the binaries)
+    start = time.time()
+    flags = ["--wide"] if args.wide else []
+    flags += ["--profile"] if args.profile else []
+    procs = [subprocess.Popen([sys.executable, "-m", "kernels.tune", "--shape", args.shape, "--dtype", args.dtype,
+                               "--chunk-size", str(Q), "--workers", str(args.workers), "--worker", str(i), *flags])
+             for i in range(min(args.workers, count))]
+    for p in procs:
+        p.wait()
+    print(f"compiled {count} config indices in {time.time() - start:.0f} s", flush=True)
+    if args.wide:
+        start = time.time()
+        fwd_bwd(t, dy, Q)
+        forward(t, Q)
+        torch.cuda.synchronize()
+        print(f"autotuned in {time.time() - start:.0f} s", flush=True)
+        report(args.json)
+    if args.profile:
+        profile(t, dy, Q)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
