@@ -228,11 +228,13 @@ _choice: Choice = "tuned"
 
 @dataclass(frozen=True)
 class Launch:
-    """One autotuned launch: the kernel, the index of the config it ran with, how many it had."""
+    """One autotuned launch: the kernel, the index of the config it ran with, how many it had, and why a
+    forced config was passed over (empty when it ran as asked)."""
     kernel: str
     index: int
     nconfigs: int
     config: str
+    skipped: str = ""
 
 
 _launches: list = []
@@ -284,6 +286,14 @@ def sweep(fn: Callable[[int], object]) -> list:
     return results
 
 
+def _out_of_resources() -> tuple:
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return ()
+    return (OutOfResources,)
+
+
 def _patch_autotuner():
     try:
         from triton.runtime.autotuner import Autotuner
@@ -303,15 +313,29 @@ def _patch_autotuner():
             # The kernel's own pruning says which configs are legal for these arguments.
             self.nargs = dict(zip(self.arg_names, args))
             candidates = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
-        chosen = candidates[index % len(candidates)]
         if len(_launches) > 10000:       # outside any autotune block nobody reads them: keep memory flat
             del _launches[:5000]
-        _launches.append(Launch(getattr(self.base_fn, "__name__", "?"), index % len(candidates),
-                                len(candidates), str(chosen)))
+        name = getattr(self.base_fn, "__name__", "?")
+        n = len(candidates)
         saved = self.configs
-        self.configs = [chosen]
+        # A forced config that does not fit this device (shared memory, registers: mamba_ssm's config 0 of
+        # some kernels in float32 on an H200) is no finding about the kernel: the benchmarking autotuner
+        # skips it too. The next config that fits runs instead, and the launch record says so.
+        unfit = []
         try:
-            return original_run(self, *args, **kwargs)
+            for step in range(n):
+                k = (index + step) % n
+                chosen = candidates[k]
+                self.configs = [chosen]
+                try:
+                    result = original_run(self, *args, **kwargs)
+                except _out_of_resources() as err:
+                    unfit.append(f"config #{k} does not fit this device ({str(err).splitlines()[0][:120]})")
+                    if step == n - 1:
+                        raise
+                    continue
+                _launches.append(Launch(name, k, n, str(chosen), "; ".join(unfit)))
+                return result
         finally:
             self.configs = saved
 

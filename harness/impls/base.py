@@ -56,9 +56,14 @@ class Implementation:
         """Why this implementation cannot run in this environment (missing package...), or None."""
         return None
 
+    def refuses(self, backward: bool, device: str) -> Optional[str]:
+        """Why a whole pass is refused on ``device`` whatever the case (a version/hardware guard of the code
+        under test), or None. Properties skip such a pass with this reason instead of drawing cases for it."""
+        return None
+
     def skip_reason(self, case: Case, device: str) -> Optional[str]:
         """Why ``case`` is outside this implementation's capabilities on ``device``, or None."""
-        why = self.unavailable()
+        why = self.unavailable() or self.refuses(case.backward, device)
         if why:
             return why
         cap = self.capabilities

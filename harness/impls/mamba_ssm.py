@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -34,6 +35,7 @@ from harness import runtime, upstream
 from harness.case import Case
 from harness.impls import register
 from harness.impls.base import Capabilities, Implementation, Outputs, limit
+from harness.inputs import draw
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
@@ -217,14 +219,30 @@ class ChunkScanCombined(MambaImplementation):
 
 # ---- mamba_chunk_scan and ssd_chunk_scan_combined_ref ----------------------------------------------------
 
+EXP_OVERFLOW_F32 = math.log(torch.finfo(torch.float32).max)       # 88.72
+
+
+def row_decay(case: Case) -> float:
+    """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
+    inputs (drawn deterministically from its seed, as every run gets them)."""
+    values = draw(case)[0]
+    dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
+    if case.dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    return float((dt * values["A"]).abs().sum(1).max())
+
+
 # mamba_chunk_scan's backward (chunk_scan's autograd function) gets d(dA_cumsum) from the formula its authors call
 # numerically unstable (ssd_combined.py: "ddA_cumsum = einsum(out, dout) - ddt * dt ... numerically unstable"):
 # with strong decay per step the true value is ~0 and the difference of O(|out|) terms leaves rounding noise
 # (measured: dA 6689x its budget and d(dt) 6x in fp16, d(dt) 1.2x in fp32). The fused combined path does not.
-unstable_ddA = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large),
+# In bfloat16 the same difference is formed from outputs rounded to 8 bits, and the noise shows at typical decay
+# too (measured on an H200, 2026-11-30: d(dt) 0.251 relative RMS = 2.5x the interim budget, L=16, Q=16).
+unstable_ddA = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
+                                               or c.dtype == "bfloat16"),
                      "its backward takes d(dA_cumsum) from the difference its authors call numerically unstable: "
-                     "under strong decay per step (decay=strong, or dt > 20) gradients carry rounding noise of "
-                     "the size of the outputs")
+                     "under strong decay per step (decay=strong, or dt > 20), and in bfloat16 at any decay, "
+                     "gradients carry rounding noise of the size of the outputs")
 
 
 class ChunkScan(MambaImplementation):
@@ -255,11 +273,16 @@ class ChunkScanRef(ChunkScan):
         caps = self.declared(unsupported=NO_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
                                                        "final_state_grad", "ragged"},
                              limits=(unclamped_dt,))
-        # exp of a positive segment sum overflows before the mask zeroes it: inf * 0 = NaN in the gradient.
-        strong = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large),
-                       "its gradients go NaN under strong decay per chunk (decay=strong, or dt > 20): exp of the "
-                       "masked-out positive segment sums overflows (known; not a gradient oracle)")
-        return dataclasses.replace(caps, limits=caps.limits + (strong,))
+        # exp of a positive segment sum overflows before the mask zeroes it: inf * 0 = NaN in the gradient. The
+        # masked-out sums reach the whole row's decay (across chunks too), so a row whose sum of |dt A| passes
+        # ln(float32 max) = 88.72 goes NaN in every dtype, typical decay included (found on an H200 in bf16 at
+        # L=80; the predicate matched NaN / no NaN on all of 40 drawn cases on the CPU, fp32 and bf16).
+        overflow = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
+                                                   or row_decay(c) > EXP_OVERFLOW_F32),
+                         "its gradients go NaN once a row's total decay sum|dt A| passes 88.72 (decay=strong, dt > 20, "
+                         "or a long row): exp of the masked-out positive segment sums overflows float32 "
+                         "(known; not a gradient oracle)")
+        return dataclasses.replace(caps, limits=caps.limits + (overflow,))
 
 
 # ---- ssd_minimal_discrete --------------------------------------------------------------------------------
@@ -268,9 +291,14 @@ class ChunkScanRef(ChunkScan):
 # decay the chunk sum reaches ~20, where a half-precision ulp is ~0.01, so every decay factor is off by ~1%
 # (measured: final states 1.1e-2 relative in fp16; 7e-5 when the same fp16 inputs are computed in fp32). That
 # is the listing's design (its authors test it in fp32), pinned by a strict xfail in properties/test_upstream.py.
-half_cumsum = limit(lambda c: c.dtype != "float32" and c.regime.decay == "typical",
-                    "cannot express typical decay in float16/bfloat16: it sums A*dt over a chunk in the input dtype "
-                    "(a half-precision ulp at ~20 is 0.01, ~1% on every decay factor; it is meant for fp32)")
+# Strong decay and dt > 20 make the chunk sums larger still: on an H200 (2026-11-30) fp16 with strong decay and
+# dt > 20 went non-finite (the fp16 cumsum overflows) and bf16 with mild decay and dt > 20 lost 2.7% on the final
+# states (1.3x the interim budget); both reproduce on the CPU (pure torch). Mild or no decay without dt > 20
+# passes in both dtypes (measured on 39 drawn CPU cases).
+half_cumsum = limit(lambda c: c.dtype != "float32" and (c.regime.decay in ("typical", "strong") or c.regime.dt_large),
+                    "cannot express typical or strong decay, or dt > 20, in float16/bfloat16: it sums A*dt over a "
+                    "chunk in the input dtype (a half-precision ulp at ~20 is 0.01, ~1% on every decay factor; larger "
+                    "sums lose more or overflow fp16; it is meant for fp32)")
 
 
 class SsdMinimal(MambaImplementation):
