@@ -321,21 +321,21 @@ def _patch_autotuner():
         # A forced config that does not fit this device (shared memory, registers: mamba_ssm's config 0 of
         # some kernels in float32 on an H200) is no finding about the kernel: the benchmarking autotuner
         # skips it too. The next config that fits runs instead, and the launch record says so.
+        # The record goes in before the launch, so a config that crashes is still named.
         unfit = []
         try:
             for step in range(n):
                 k = (index + step) % n
                 chosen = candidates[k]
                 self.configs = [chosen]
+                _launches.append(Launch(name, k, n, str(chosen), "; ".join(unfit)))
                 try:
-                    result = original_run(self, *args, **kwargs)
+                    return original_run(self, *args, **kwargs)
                 except _out_of_resources() as err:
-                    unfit.append(f"config #{k} does not fit this device ({str(err).splitlines()[0][:120]})")
                     if step == n - 1:
                         raise
-                    continue
-                _launches.append(Launch(name, k, n, str(chosen), "; ".join(unfit)))
-                return result
+                    _launches.pop()
+                    unfit.append(f"config #{k} does not fit this device ({str(err).splitlines()[0][:120]})")
         finally:
             self.configs = saved
 
