@@ -67,27 +67,22 @@ def install_wide() -> int:
     return max(len(v) for v in grids.values())
 
 
+# the implementations as kernels.benchmark runs them (same inputs, same arguments)
+BENCH_NAMES = {"ssdiff": "ssdiff.triton", "mamba": "mamba_chunk_scan_combined"}
+
+
 def fwd_bwd(t, dy, Q, impl="ssdiff"):
-    if impl == "ssdiff":
-        from kernels.ssd.combined import ssd_chunk_scan_combined as fn
-    else:
-        from harness import upstream
-        fn = upstream.mamba_ssm().ssd_combined.mamba_chunk_scan_combined
+    from kernels.benchmark import IMPLS
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
-    y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], Q, D=leaves["D"],
-           dt_bias=leaves["dt_bias"], dt_softplus=True)
+    y = IMPLS[BENCH_NAMES[impl]](leaves, Q)
     torch.autograd.backward(y, dy)
     return y
 
 
 def forward(t, Q, impl="ssdiff"):
+    from kernels.benchmark import IMPLS
     with torch.no_grad():
-        if impl == "ssdiff":
-            from kernels.ssd.combined import ssd_chunk_scan_combined as fn
-        else:
-            from harness import upstream
-            fn = upstream.mamba_ssm().ssd_combined.mamba_chunk_scan_combined
-        return fn(t["x"], t["dt"], t["A"], t["B"], t["C"], Q, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+        return IMPLS[BENCH_NAMES[impl]](t, Q)
 
 
 def profile(t, dy, Q, iters=3) -> None:

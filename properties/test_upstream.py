@@ -787,37 +787,10 @@ def test_release_runs_its_properties(where):
     assert "error" not in out.stdout.splitlines()[-1].lower(), out.stdout[-3000:]
 
 
-# ---- ssd_chunk_scan_combined_ref is not a gradient oracle --------------------------------------------------
-
-@pytest.mark.xfail(strict=True, reason="ssd_chunk_scan_combined_ref (chunk_scan_ref in ssd_chunk_scan.py) takes "
-                                       "exp of every segment sum, masked-out positive ones included: under strong "
-                                       "decay they overflow to inf and the gradient is inf * 0 = NaN (SPEC.md 3)")
-def test_chunk_scan_ref_gradients_under_strong_decay(device):
-    ref = get("mamba_ssm.chunk_scan_ref")
-    if ref.unavailable():
-        pytest.skip(ref.unavailable())
-    case = Case(seqlen=8, nheads=2, headdim=1, dstate=1, chunk_size=8, return_final_states=False,
-                regime=Regime(decay="strong"), pass_="backward")
-    assert "NaN" in ref.skip_reason(case, device)
-    problems = past_the_limit(ref, case, device)
-    assert not problems, problems
-
-
-@pytest.mark.xfail(strict=True, reason="the same overflow with typical decay: the masked-out segment sums span the "
-                                       "whole row across chunks, and this row's sum |dt A| is 95 > ln(float32 max) "
-                                       "= 88.72 (found on an H200 in bf16; the same in fp32 on the CPU)")
-def test_chunk_scan_ref_gradients_of_a_long_row(device):
-    ref = get("mamba_ssm.chunk_scan_ref")
-    if ref.unavailable():
-        pytest.skip(ref.unavailable())
-    case = Case(seqlen=80, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=16, D="head", has_dt_bias=False,
-                dt_softplus=False, return_final_states=False, regime=Regime(decay="typical"), pass_="backward",
-                seed=0)
-    assert row_decay(case) > 88.72 and "88.72" in ref.skip_reason(case, device)
-    assert ref.skip_reason(case.replace(seqlen=64), device) is None          # 71 < 88.72: inside the limit
-    problems = past_the_limit(ref, case, device)
-    assert not problems, problems
-
+# ---- limits declared in the adapters, shown to exist ------------------------------------------------------
+# Each test runs a case its adapter's capabilities exclude and expects the mismatch that made the limit
+# (strict xfail, raises=AssertionError). A precondition that does not hold fails the test outright
+# (pytest.fail is not an AssertionError), so none of them can xfail for the wrong reason.
 
 def past_the_limit(impl, case: Case, device: str) -> list:
     """Run ``impl`` on a case its capability limits exclude (to show why they exist); the mismatches."""
@@ -831,47 +804,73 @@ def past_the_limit(impl, case: Case, device: str) -> list:
     return compare(case, got, reference)
 
 
-@pytest.mark.xfail(strict=True, reason="mamba_chunk_scan's backward takes d(dA_cumsum) from einsum(out, dout) - "
-                                       "ddt * dt, a difference its authors call numerically unstable: with strong "
-                                       "decay per step (dt > 20) its gradients carry rounding noise of the size of "
-                                       "the outputs (mamba_chunk_scan_combined's fused backward does not)")
+def diverges_past_its_limit(name: str, case: Case, device: str, says: str) -> None:
+    """``case`` lies outside ``name``'s declared capabilities for a reason containing ``says``; running it
+    anyway must show the mismatch (AssertionError) that made the limit."""
+    impl = usable(name, case.dtype, case.backward, device)
+    why = impl.skip_reason(case, device) or ""
+    if says not in why:
+        pytest.fail(f"{name} does not declare the limit ({says!r} not in {why!r})")
+    problems = past_the_limit(impl, case, device)
+    assert not problems, problems
+
+
+XFAIL = dict(strict=True, raises=AssertionError)
+
+
+@pytest.mark.xfail(**XFAIL, reason="ssd_chunk_scan_combined_ref (chunk_scan_ref in ssd_chunk_scan.py) takes exp "
+                                   "of every segment sum, masked-out positive ones included: under strong decay "
+                                   "they overflow to inf and the gradient is inf * 0 = NaN (SPEC.md 3)")
+def test_chunk_scan_ref_gradients_under_strong_decay(device):
+    case = Case(seqlen=8, nheads=2, headdim=1, dstate=1, chunk_size=8, return_final_states=False,
+                regime=Regime(decay="strong"), pass_="backward")
+    diverges_past_its_limit("mamba_ssm.chunk_scan_ref", case, device, says="NaN")
+
+
+@pytest.mark.xfail(**XFAIL, reason="the same overflow with typical decay: the masked-out segment sums span the "
+                                   "whole row across chunks, and this row's sum |dt A| is 95 > ln(float32 max) = "
+                                   "88.72 (found on an H200 in bf16; the same in fp32 on the CPU)")
+def test_chunk_scan_ref_gradients_of_a_long_row(device):
+    case = Case(seqlen=80, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=16, D="head", has_dt_bias=False,
+                dt_softplus=False, return_final_states=False, regime=Regime(decay="typical"), pass_="backward",
+                seed=0)
+    shorter = case.replace(seqlen=64)                 # row decay 71 < 88.72: inside the limit, and it agrees
+    if not row_decay(case) > 88.72 > row_decay(shorter):
+        pytest.fail(f"row decays {row_decay(case):.1f} / {row_decay(shorter):.1f} do not straddle 88.72")
+    inside = past_the_limit(get("mamba_ssm.chunk_scan_ref"), shorter, device)
+    if inside:
+        pytest.fail(f"inside the limit it should agree: {inside}")
+    diverges_past_its_limit("mamba_ssm.chunk_scan_ref", case, device, says="88.72")
+
+
+@pytest.mark.xfail(**XFAIL, reason="mamba_chunk_scan's backward takes d(dA_cumsum) from einsum(out, dout) - "
+                                   "ddt * dt, a difference its authors call numerically unstable: with strong decay "
+                                   "per step (dt > 20) its gradients carry rounding noise of the size of the outputs "
+                                   "(mamba_chunk_scan_combined's fused backward does not)")
 def test_chunk_scan_gradients_under_strong_decay(device):
-    scan = usable("mamba_ssm.chunk_scan", "float16", True, device)
     case = Case(seqlen=16, nheads=4, headdim=5, ngroups=4, dstate=4, chunk_size=16, dtype="float16", D="channel",
                 return_final_states=False, pass_="backward", seed=49443,
                 regime=Regime(decay="typical", dt_large=True, values="integer", scale=0.25, layout="strided"))
-    assert "numerically unstable" in scan.skip_reason(case, device)
-    problems = past_the_limit(scan, case, device)
-    assert not problems, problems
+    diverges_past_its_limit("mamba_ssm.chunk_scan", case, device, says="numerically unstable")
 
 
-@pytest.mark.xfail(strict=True, reason="ssd_minimal_discrete sums A*dt over each chunk in its input dtype: in fp16 "
-                                       "with typical decay every decay factor is off by ~1% (by design: the paper's "
-                                       "listing, tested by its authors in fp32)")
+@pytest.mark.xfail(**XFAIL, reason="ssd_minimal_discrete sums A*dt over each chunk in its input dtype: in fp16 "
+                                   "with typical decay every decay factor is off by ~1% (by design: the paper's "
+                                   "listing, tested by its authors in fp32)")
 def test_ssd_minimal_half_precision_typical_decay(device):
-    impl = get("mamba_ssm.ssd_minimal")
-    if impl.unavailable():
-        pytest.skip(impl.unavailable())
     case = Case(seqlen=16, nheads=2, headdim=6, ngroups=2, dstate=2, chunk_size=16, dtype="float16", D="none",
                 has_dt_bias=False, dt_softplus=False, initial_states=True, seed=6,
                 regime=Regime(decay="typical", values="integer", scale=4, layout="strided"))
-    assert "float16" in impl.skip_reason(case, device)          # the adapter declares the limit...
-    problems = past_the_limit(impl, case, device)               # ...which exists because of this
-    assert not problems, problems
+    diverges_past_its_limit("mamba_ssm.ssd_minimal", case, device, says="float16")
 
 
-@pytest.mark.xfail(strict=True, reason="the same fp16 chunk sum under strong decay with dt > 20 overflows: the output "
-                                       "goes non-finite (found on an H200; pure torch, so the same on the CPU)")
+@pytest.mark.xfail(**XFAIL, reason="the same fp16 chunk sum under strong decay with dt > 20 overflows: the output "
+                                   "goes non-finite (found on an H200; pure torch, so the same on the CPU)")
 def test_ssd_minimal_half_precision_strong_decay(device):
-    impl = get("mamba_ssm.ssd_minimal")
-    if impl.unavailable():
-        pytest.skip(impl.unavailable())
     case = Case(seqlen=64, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=64, dtype="float16", D="none",
                 has_dt_bias=False, dt_softplus=False, return_final_states=True, seed=0,
                 regime=Regime(decay="strong", dt_large=True), pass_="backward")
-    assert "float16" in impl.skip_reason(case, device)
-    problems = past_the_limit(impl, case, device)
-    assert not problems, problems
+    diverges_past_its_limit("mamba_ssm.ssd_minimal", case, device, says="float16")
 
 
 def test_a_pass_an_implementation_refuses_is_skipped_with_its_reason(monkeypatch, device):

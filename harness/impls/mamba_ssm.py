@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -222,9 +223,11 @@ class ChunkScanCombined(MambaImplementation):
 EXP_OVERFLOW_F32 = math.log(torch.finfo(torch.float32).max)       # 88.72
 
 
+@functools.lru_cache(maxsize=512)
 def row_decay(case: Case) -> float:
     """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
-    inputs (drawn deterministically from its seed, as every run gets them)."""
+    inputs (drawn deterministically from its seed, as every run gets them; cached: the limit is asked for the
+    same case while drawing, fitting and running it)."""
     values = draw(case)[0]
     dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
     if case.dt_softplus:
