@@ -7,7 +7,8 @@ Not a test. On a CUDA GPU (an H200 for kernels/BENCHMARKS.md):
 
 Per shape (batch, seqlen, nheads, headdim, dstate, ngroups), chunk 256, Mamba-2-like inputs (D per head,
 dt_bias, softplus; no z, no seq_idx), it prints for each implementation:
-- forward and forward+backward milliseconds (triton.testing.do_bench median; autotuning done in warmup);
+- forward and forward+backward milliseconds: the median over --rounds rounds that interleave the implementations
+  (each a triton.testing.do_bench median; autotuning done before), with the rounds' min and max;
 - the relative RMS error of y against the float64 chunked oracle (harness.oracle.chunked), computed on the
   heads of the first ``--error-groups`` groups (the float64 oracle of a whole 65536-token shape is too big);
 - the memory-traffic lower bound: the bytes a kernel must at least move (read x, dt, B, C; write y — and for
@@ -101,9 +102,29 @@ def oracle_error(t, outs: dict, Q, groups: int):
     return errs
 
 
-def bench(fn, warmup=10, rep=50):
+def spread(values):
+    """(median, min, max) of a list of milliseconds; NaNs when empty (the pass did not run)."""
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    v = sorted(values)
+    return v[len(v) // 2], v[0], v[-1]
+
+
+def bench(fn, warmup=25, rep=200):
     import triton
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep)
+
+
+def write_markdown(path, head, rounds, rows) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# SSD kernel benchmark\n\n{head}\n\n")
+        f.write(f"Timings: median of {rounds} interleaved rounds, each a do_bench median; [min-max] over the "
+                "rounds.\n\n")
+        f.write("| (b, L, h, p, n, g) | implementation | fwd ms | fwd+bwd ms | rel. RMS err of y vs fp64 | "
+                "traffic bound fwd ms | traffic bound fwd+bwd ms |\n|---|---|---|---|---|---|---|\n")
+        for shape, name, ms_f, ms_a, err, lb_f, lb_a, (lo_f, hi_f), (lo_a, hi_a) in rows:
+            f.write(f"| {shape} | {name} | {ms_f:.3f} [{lo_f:.3f}-{hi_f:.3f}] | {ms_a:.3f} [{lo_a:.3f}-{hi_a:.3f}] "
+                    f"| {err:.2e} | {lb_f:.3f} | {lb_a:.3f} |\n")
 
 
 def main(argv=None) -> int:
@@ -114,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the lower bound")
     ap.add_argument("--error-groups", type=int, default=1, help="groups whose heads the oracle error covers")
     ap.add_argument("--impls", nargs="*", default=list(IMPLS))
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per pass (median reported)")
     ap.add_argument("--markdown", help="also write the table (with date, versions, GPU) to this file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -141,42 +163,45 @@ def main(argv=None) -> int:
         t, dy = make_inputs(shape, dtype, dev)
         fwd_b, all_b = traffic_bytes(shape, dtype)
         lb_f, lb_a = fwd_b / args.bandwidth * 1e3, all_b / args.bandwidth * 1e3
-        outs = {}
-        timings = {}
+        outs, runners = {}, {}
         for name in args.impls:
             fn = IMPLS[name]
-            try:
+            try:                                   # each pass on its own: a refused backward keeps the forward
                 with torch.no_grad():
-                    outs[name] = fn(t, Q)
-                    ms_f = bench(lambda: fn(t, Q))
+                    outs[name] = fn(t, Q)           # (autotuning happens here and in the first fwd_bwd)
+                runners[name] = {"fwd": (lambda fn=fn: fn(t, Q))}
                 leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
 
-                def fwd_bwd():
-                    y = fn(leaves, Q)
-                    torch.autograd.backward(y, dy)
+                def fwd_bwd(fn=fn, leaves=leaves):
+                    torch.autograd.backward(fn(leaves, Q), dy)
 
-                ms_a = bench(fwd_bwd, warmup=5, rep=30)
-                timings[name] = (ms_f, ms_a)
+                fwd_bwd()
+                runners[name]["fwd+bwd"] = fwd_bwd
             except Exception as err:  # noqa: BLE001
-                timings[name] = (float("nan"), float("nan"))
-                print(f"  {name} failed at {shape}: {type(err).__name__}: {err}", file=sys.stderr)
+                print(f"  {name} failed at {shape} ({'forward+backward' if name in runners else 'forward'}): "
+                      f"{type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
             torch.cuda.empty_cache()
+        # rounds interleave the implementations, so a drift of the clock or temperature hits them alike
+        samples = {name: {"fwd": [], "fwd+bwd": []} for name in args.impls}
+        for _ in range(args.rounds):
+            for name, passes in runners.items():
+                with torch.no_grad():
+                    samples[name]["fwd"].append(bench(passes["fwd"]))
+                if "fwd+bwd" in passes:
+                    samples[name]["fwd+bwd"].append(bench(passes["fwd+bwd"], rep=300))
+        timings = {name: tuple(spread(samples[name][k]) for k in ("fwd", "fwd+bwd")) for name in args.impls}
         errs = oracle_error(t, outs, Q, args.error_groups) if outs else {}
         for name in args.impls:
-            ms_f, ms_a = timings[name]
-            row = (shape, name, ms_f, ms_a, errs.get(name, float("nan")), lb_f, lb_a)
+            (ms_f, lo_f, hi_f), (ms_a, lo_a, hi_a) = timings[name]
+            row = (shape, name, ms_f, ms_a, errs.get(name, float("nan")), lb_f, lb_a, (lo_f, hi_f), (lo_a, hi_a))
             rows.append(row)
-            print(f"{str(shape):32s} {name:26s} fwd {ms_f:8.3f} ms  fwd+bwd {ms_a:8.3f} ms  "
-                  f"rel.err(y) {row[4]:.2e}  bound fwd {lb_f:.3f} ms  fwd+bwd {lb_a:.3f} ms", flush=True)
-        del t, dy, outs
+            print(f"{str(shape):32s} {name:26s} fwd {ms_f:8.3f} ms [{lo_f:.3f}-{hi_f:.3f}]  fwd+bwd {ms_a:8.3f} ms "
+                  f"[{lo_a:.3f}-{hi_a:.3f}]  rel.err(y) {row[4]:.2e}  bound fwd {lb_f:.3f} ms  fwd+bwd {lb_a:.3f} ms",
+                  flush=True)
+        del t, dy, outs, runners
         torch.cuda.empty_cache()
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(f"# SSD kernel benchmark\n\n{head}\n\n")
-            f.write("| (b, L, h, p, n, g) | implementation | fwd ms | fwd+bwd ms | rel. RMS err of y vs fp64 | "
-                    "traffic bound fwd ms | traffic bound fwd+bwd ms |\n|---|---|---|---|---|---|---|\n")
-            for shape, name, ms_f, ms_a, err, lb_f, lb_a in rows:
-                f.write(f"| {shape} | {name} | {ms_f:.3f} | {ms_a:.3f} | {err:.2e} | {lb_f:.3f} | {lb_a:.3f} |\n")
+        if args.markdown:                          # after every shape: a run cut short keeps what it measured
+            write_markdown(args.markdown, head, args.rounds, rows)
     return 0
 
 

@@ -22,7 +22,10 @@ generated examples on an idle 2-core machine; now 12/20/16/8, about 2.5 minutes)
 
 from __future__ import annotations
 
+import dataclasses
 import os
+
+import pytest
 
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -182,6 +185,44 @@ def test_forward_matches_the_oracle(case, index, device):
 def test_backward_matches_the_oracle(case, index, device):
     """Gradients of x, dt, A, B, C, D, z, dt_bias, initial_states (and with a final-state gradient flowing in)."""
     _run_and_judge(case, index, device)
+
+
+# Chunks of 32 and 64 tokens: several row and column tiles inside one chunk, so the tile-to-tile paths run
+# (the intra-chunk loops' separable decay below the diagonal, the running row prefix of the dA gradient, tiles
+# that straddle the diagonal). The SMALL chunks above fit in one tile of every configuration.
+MULTI_TILE = Bounds(max_batch=1, max_seqlen=80, max_nheads=2, max_headdim=4, max_dstate=4, chunk_sizes=(32, 64))
+
+
+@_settings(4)
+@given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=MULTI_TILE), index=CONFIG_INDEX)
+@example(case=Case(batch=1, seqlen=70, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="channel",
+                   segments=((20, 30, 20),), initial_states=True, regime=Regime(decay="mild"),
+                   pass_="backward", final_state_grad=True), index=1)
+@example(case=Case(batch=1, seqlen=80, nheads=2, ngroups=2, headdim=4, dstate=3, chunk_size=64, dtype="float16",
+                   regime=Regime(decay="strong")), index=1)
+def test_several_tiles_inside_a_chunk(case, index, device):
+    _run_and_judge(case, index, device, want_stages=not case.backward)
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_a_rising_decay_is_computed_exactly(pass_, device):
+    """A > 0 on one head (the state grows inside the chunk): exp(cs_i - cs_j) may not be taken apart there
+    (a factor would exceed 1), so those tiles exponentiate each pair; the other head decays and is taken apart.
+    Generated cases always decay (A < 0), so this is the one test of the fallback."""
+    case = Case(batch=1, seqlen=64, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="none",
+                regime=Regime(decay="mild"), pass_=pass_)
+    inputs = materialize(case, device)
+    values = dict(inputs.values)
+    A = values["A"].clone()
+    A[0] = A[0].abs() * 0.2                          # cs rises by at most ~15 over the chunk: no overflow
+    values["A"] = A
+    inputs = dataclasses.replace(inputs, values=values)
+    impl = get(IMPL)
+    truth, base = oracle.evaluate(case, inputs), baseline.evaluate_samples(case, inputs)
+    assert truth.stages["dA_cumsum"][0, -1, 0] > truth.stages["dA_cumsum"][0, 0, 0]      # it does rise
+    with runtime.autotune(1):                        # small tiles: several per chunk
+        out = impl.run(case, inputs)
+    _assert_ok(judge(IMPL, case, inputs, out, truth, base))
 
 
 @_settings(8)
