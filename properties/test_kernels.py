@@ -188,8 +188,8 @@ def test_backward_matches_the_oracle(case, index, device):
 
 
 # Chunks of 32 and 64 tokens: several row and column tiles inside one chunk, so the tile-to-tile paths run
-# (the intra-chunk loops' separable decay below the diagonal, the running row prefix of the dA gradient, tiles
-# that straddle the diagonal). The SMALL chunks above fit in one tile of every configuration.
+# (tiles wholly below the diagonal, tiles that straddle it, the running row prefix of the dA gradient). The
+# SMALL chunks above fit in one tile of every configuration.
 MULTI_TILE = Bounds(max_batch=1, max_seqlen=80, max_nheads=2, max_headdim=4, max_dstate=4, chunk_sizes=(32, 64))
 
 
@@ -206,9 +206,9 @@ def test_several_tiles_inside_a_chunk(case, index, device):
 
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_a_rising_decay_is_computed_exactly(pass_, device):
-    """A > 0 on one head (the state grows inside the chunk): exp(cs_i - cs_j) may not be taken apart there
-    (a factor would exceed 1), so those tiles exponentiate each pair; the other head decays and is taken apart.
-    Generated cases always decay (A < 0), so this is the one test of the fallback."""
+    """A > 0 on one head: the state grows inside the chunk, exp(cs_i - cs_j) > 1. Generated cases always decay
+    (A < 0), so this is where a kernel that assumes decay (clamps the exponent at 0 as mamba_ssm's does, or
+    takes exp(cs_i - cs_j) apart into factors it expects to be <= 1) is caught, with several tiles per chunk."""
     case = Case(batch=1, seqlen=64, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="none",
                 regime=Regime(decay="mild"), pass_=pass_)
     inputs = materialize(case, device)

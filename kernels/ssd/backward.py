@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels.ssd import configs
 from kernels.ssd.bmm import ssd_bmm_fwd
 from kernels.ssd.chunk_state import ssd_chunk_state_bwd_dstates, ssd_chunk_state_fwd
-from kernels.ssd.common import cs_extreme, load_seq, seq_bounds, softplus
+from kernels.ssd.common import load_seq, seq_bounds, softplus
 from kernels.ssd.cumsum import ssd_chunk_cumsum_fwd
 from kernels.ssd.state_passing import ssd_state_passing_bwd, ssd_state_passing_fwd
 
@@ -130,15 +130,7 @@ def ssd_bwd_kernel_dcb_ddA(
                 b_x = tl.load(x + i_b.to(tl.int64) * s_x_b + t_j.to(tl.int64)[None, :] * s_x_l + i_h * s_x_h
                               + o_p[:, None] * s_x_p, mask=m_p[:, None] & m_j[None, :], other=0.0)     # [BP, BN]
                 b_M += tl.dot(b_ds.to(b_x.dtype), b_x)
-            # exp(cs_i - cs_j) taken apart at c = the rows' largest cs where no cs_j of this tile is below it
-            # (common.cs_extreme says why that is exact): BM + BN exponentials instead of BM * BN
-            c_rows = tl.max(tl.where(o_i < Q, b_cs_i, float("-inf")), axis=0)
-            if c_rows <= tl.min(tl.where(o_j < Q, b_cs_j, float("inf")), axis=0):
-                b_f = tl.exp(tl.minimum(b_cs_i - c_rows, 0.0))
-                b_W = tl.where(m_ij, b_M * b_f[:, None] * (tl.exp(c_rows - b_cs_j) * b_dt_j)[None, :], 0.0)
-            else:
-                b_W = b_M * tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf"))) \
-                    * b_dt_j[None, :]
+            b_W = b_M * tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf"))) * b_dt_j[None, :]
             b_dcb += b_W
             b_G = tl.where(m_ij & (o_j[None, :] < o_i[:, None]), b_cb * b_W, 0.0)
             p_run = run + o_cs + o_i
@@ -314,14 +306,8 @@ def ssd_bwd_kernel_dx(
     p_ds = ds + i_b.to(tl.int64) * s_d_b + i_h * s_d_h
 
     b_acc = tl.zeros([BM, BP], dtype=tl.float32)
-    # inside the chunk: sum over later tokens i >= j. The i-tiles wholly after this row tile ([mid, Q)) take the
-    # decay apart, exp(cs_i - c) exp(c - cs_j) with c the rows' smallest cs, when no cs_i there is above c
-    # (common.cs_extreme says why that is exact); the rest, and every tile otherwise, exponentiate each pair.
-    lo = (i_m * BM // BK) * BK
-    mid = ((i_m + 1) * BM + BK - 1) // BK * BK
-    c_rows = tl.min(tl.where(o_j < Q, b_cs_j, float("inf")), axis=0)
-    split = tl.where(cs_extreme(dA_cs, o_cs, mid, Q, Q, BK, True) <= c_rows, mid, Q)
-    for k in range(lo, split, BK):
+    # inside the chunk: sum over later tokens i >= j
+    for k in range((i_m * BM // BK) * BK, Q, BK):
         o_i = k + tl.arange(0, BK)
         t_i = i_c * Q + o_i
         m_i = (o_i < Q) & (t_i < L)
@@ -335,22 +321,6 @@ def ssd_bwd_kernel_dx(
         b_dsi = tl.load(p_ds + t_i.to(tl.int64)[:, None] * s_d_l + o_p[None, :] * s_d_p,
                         mask=m_i[:, None] & m_p[None, :], other=0.0)                                       # [BK, BP]
         b_acc += tl.dot(b_w.to(x.dtype.element_ty), b_dsi.to(x.dtype.element_ty))
-    b_in = tl.zeros([BM, BP], dtype=tl.float32)
-    for k in range(split, Q, BK):
-        o_i = k + tl.arange(0, BK)
-        t_i = i_c * Q + o_i
-        m_i = (o_i < Q) & (t_i < L)
-        b_cs_i = tl.load(dA_cs + o_cs + o_i, mask=o_i < Q, other=0.0)
-        b_seq_i = load_seq(seq_idx, o_seq, s_seq_l, t_i, o_i < Q, L, seq_last, HAS_SEQ_IDX)
-        m_ji = m_j[:, None] & m_i[None, :] & (b_seq_i[None, :] == b_seq_j[:, None]) & (b_seq_j[:, None] >= 0)
-        b_cbT = tl.load(p_CB + o_i[None, :] * Q + o_j[:, None], mask=(o_j < Q)[:, None] & (o_i < Q)[None, :],
-                        other=0.0)                                                                         # [BM, BK]
-        b_w = tl.where(m_ji, b_cbT * tl.exp(b_cs_i - c_rows)[None, :], 0.0)
-        b_dsi = tl.load(p_ds + t_i.to(tl.int64)[:, None] * s_d_l + o_p[None, :] * s_d_p,
-                        mask=m_i[:, None] & m_p[None, :], other=0.0)                                       # [BK, BP]
-        b_in += tl.dot(b_w.to(x.dtype.element_ty), b_dsi.to(x.dtype.element_ty))
-    # (rows past the chunk read cs = 0, below c_rows: clamped, they are never stored)
-    b_acc += b_in * tl.where(split < Q, tl.exp(tl.minimum(c_rows - b_cs_j, 0.0)), 0.0)[:, None]
     # through this chunk's own end state
     m_own = m_j & (b_seq_j == seq_last) & (b_seq_j >= 0)
     b_a = tl.where(m_own, tl.exp(b_cs_last - b_cs_j), 0.0)

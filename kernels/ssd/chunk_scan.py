@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import cs_extreme, load_seq, seq_bounds
+from kernels.ssd.common import load_seq, seq_bounds
 
 
 @configs.autotune("chunk_scan", key=["Q", "P", "N"])
@@ -69,31 +69,10 @@ def ssd_fwd_kernel_chunk_scan(
     m_reach = m_i & (b_seq_i == seq_prev) & (b_seq_i >= 0)
     b_acc *= tl.where(m_reach, tl.exp(b_cs_i), 0.0)[:, None]
 
-    # inside the chunk: causal, same sequence. The j-tiles wholly below this row tile ([0, lo)) take the decay
-    # apart, exp(cs_i - c) exp(c - cs_j) with c the rows' largest cs, when no cs_j there is below c
-    # (common.cs_extreme says why that is exact); the rest, and every tile otherwise, exponentiate each pair.
+    # diagonal block: causal, same sequence
     p_CB = CB + ((i_b.to(tl.int64) * NC + i_c) * G + i_g) * Q * Q + o_i[:, None] * Q
     hi = tl.minimum((i_m + 1) * BM, Q)
-    lo = (i_m * BM // BK) * BK
-    c_rows = tl.max(tl.where(o_i < Q, b_cs_i, float("-inf")), axis=0)
-    split = tl.where(cs_extreme(dA_cs, o_cs, 0, lo, Q, BK, False) >= c_rows, lo, 0)
-    b_in = tl.zeros([BM, BP], dtype=tl.float32)
-    for k in range(0, split, BK):
-        o_j = k + tl.arange(0, BK)
-        t_j = i_c * Q + o_j
-        m_j = (o_j < Q) & (t_j < L)
-        b_cs_j = tl.load(dA_cs + o_cs + o_j, mask=o_j < Q, other=0.0)
-        b_dt_j = tl.load(dt_out + o_cs + o_j, mask=o_j < Q, other=0.0)
-        b_seq_j = load_seq(seq_idx, o_seq, s_seq_l, t_j, o_j < Q, L, seq_last, HAS_SEQ_IDX)
-        m_ij = m_i[:, None] & m_j[None, :] & (b_seq_i[:, None] == b_seq_j[None, :]) & (b_seq_j[None, :] >= 0)
-        b_cb = tl.load(p_CB + o_j[None, :], mask=(o_i < Q)[:, None] & (o_j < Q)[None, :], other=0.0)
-        b_w = tl.where(m_ij, b_cb * (tl.exp(c_rows - b_cs_j) * b_dt_j)[None, :], 0.0)                 # [BM, BK]
-        b_xj = tl.load(p_x + t_j.to(tl.int64)[:, None] * s_x_l + o_p[None, :] * s_x_p,
-                       mask=m_j[:, None] & m_p[None, :], other=0.0)                                  # [BK, BP]
-        b_in += tl.dot(b_w.to(b_xj.dtype), b_xj)
-    # (rows past the chunk read cs = 0, above c_rows: clamped, they are never stored)
-    b_acc += b_in * tl.where(split > 0, tl.exp(tl.minimum(b_cs_i - c_rows, 0.0)), 0.0)[:, None]
-    for k in range(split, hi, BK):
+    for k in range(0, hi, BK):
         o_j = k + tl.arange(0, BK)
         t_j = i_c * Q + o_j
         m_j = (o_j < Q) & (t_j < L)

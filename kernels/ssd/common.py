@@ -48,31 +48,3 @@ def load_seq(seq_idx, o_seq, s_seq_l, o_t, m_t, L, seq_last, HAS_SEQ_IDX: tl.con
     else:
         b_seq = tl.zeros(o_t.shape, dtype=tl.int32)
     return b_seq
-
-
-@triton.jit
-def cs_extreme(dA_cs, o_cs, lo, hi, Q, BK: tl.constexpr, FIND_MAX: tl.constexpr):
-    """max (FIND_MAX) or min of dA_cumsum over the chunk positions [lo, hi) (-inf / +inf when empty).
-
-    Used to decide whether exp(cs_i - cs_j) may be taken apart as exp(cs_i - c) exp(c - cs_j) over a range
-    of pairs: it may when no cs_i of the rows exceeds any cs_j of the columns (the cumulative decay never rises
-    between them — always so when dt' A <= 0, as in every Mamba-2 model), with c between the two: both
-    factors are then <= 1, so neither overflows, and one underflows only where the exact product does too.
-    Then a [BM, BK] tile costs BM + BK exponentials instead of BM * BK (the special-function unit, not the
-    tensor cores, bounds the intra-chunk loops otherwise)."""
-    if FIND_MAX:
-        b_e = tl.full([BK], float("-inf"), tl.float32)
-    else:
-        b_e = tl.full([BK], float("inf"), tl.float32)
-    for k in range(lo, hi, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = (o_k < hi) & (o_k < Q)
-        if FIND_MAX:
-            b_e = tl.maximum(b_e, tl.load(dA_cs + o_cs + o_k, mask=m_k, other=float("-inf")))
-        else:
-            b_e = tl.minimum(b_e, tl.load(dA_cs + o_cs + o_k, mask=m_k, other=float("inf")))
-    if FIND_MAX:
-        out = tl.max(b_e, axis=0)
-    else:
-        out = tl.min(b_e, axis=0)
-    return out
