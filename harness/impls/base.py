@@ -56,14 +56,15 @@ class Implementation:
         """Why this implementation cannot run in this environment (missing package...), or None."""
         return None
 
-    def refuses(self, backward: bool, device: str) -> Optional[str]:
-        """Why a whole pass is refused on ``device`` whatever the case (a version/hardware guard of the code
-        under test), or None. Properties skip such a pass with this reason instead of drawing cases for it."""
+    def refuses(self, backward: bool, device: str, dtype: Optional[str] = None) -> Optional[str]:
+        """Why a whole pass (in ``dtype``, when given) is refused on ``device`` whatever the case — a
+        version/hardware guard of the code under test, or a limit that no case of the pass escapes — or None.
+        Properties skip such a pass with this reason instead of drawing cases for it."""
         return None
 
     def skip_reason(self, case: Case, device: str) -> Optional[str]:
         """Why ``case`` is outside this implementation's capabilities on ``device``, or None."""
-        why = self.unavailable() or self.refuses(case.backward, device)
+        why = self.unavailable() or self.refuses(case.backward, device, case.dtype)
         if why:
             return why
         cap = self.capabilities

@@ -185,7 +185,7 @@ class ChunkSimpleGla(FlaImplementation):
     description = "fla chunk_simple_gla (Triton, chunked; GPU only)"
     gpu_only_reason = "chunk_simple_gla does not run under the Triton interpreter (a loop variable is a Python int)"
 
-    def refuses(self, backward: bool, device: str) -> Optional[str]:
+    def refuses(self, backward: bool, device: str, dtype: Optional[str] = None) -> Optional[str]:
         if backward and hopper_backward_refused(device):
             return ("fla.chunk_simple_gla: fla refuses the backward on Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 "
                     "and no tilelang (its issue #640: incorrect gated chunk_bwd_dqkwg)")
