@@ -86,6 +86,8 @@ def forward(t, Q, impl="ssdiff"):
 
 
 def profile(t, dy, Q, iters=3) -> None:
+    """Per-kernel GPU time of ``iters`` calls of each pass, and its spread over the launches (a kernel whose
+    launches vary shows a wide min-max: the suspect when whole-pass timings are bimodal)."""
     from torch.profiler import ProfilerActivity, profile as prof
     for impl in ("ssdiff", "mamba"):
         for label, fn in (("forward", lambda: forward(t, Q, impl)), ("forward+backward", lambda: fwd_bwd(t, dy, Q, impl))):
@@ -95,16 +97,18 @@ def profile(t, dy, Q, iters=3) -> None:
                 for _ in range(iters):
                     fn()
                 torch.cuda.synchronize()
-            rows = []
-            for e in p.key_averages():
-                dev = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                if dev > 0:
-                    rows.append((dev / iters / 1e3, e.count // iters, e.key))
-            rows.sort(reverse=True)
+            launches = {}                  # kernel name -> the GPU time of each launch (ms)
+            for e in p.events():
+                if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                    dev = getattr(e, "device_time_total", 0) or e.time_range.elapsed_us()
+                    launches.setdefault(e.name, []).append(dev / 1e3)
+            rows = sorted(((sum(v) / iters, len(v) // iters, sorted(v), k) for k, v in launches.items()),
+                          reverse=True)
             total = sum(r[0] for r in rows)
-            print(f"\n## {impl} {label}: {total:.3f} ms of GPU kernels per call")
-            for ms, n, key in rows[:25]:
-                print(f"  {ms:8.3f} ms  x{n:<3d} {key[:110]}")
+            print(f"\n## {impl} {label}: {total:.3f} ms of GPU kernels per call ({iters} calls; per launch: "
+                  "min / median / max ms)")
+            for ms, n, v, key in rows[:25]:
+                print(f"  {ms:8.3f} ms  x{n:<3d} {v[0]:.3f} / {v[len(v) // 2]:.3f} / {v[-1]:.3f}  {key[:90]}")
 
 
 MAMBA_CONFIGS = 12    # mamba_ssm's kernels have at most 11 autotune configs
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wide", action="store_true")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     ap.add_argument("--json")
+    ap.add_argument("--iters", type=int, default=3, help="calls per pass under --profile")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
         print(f"autotuned in {time.time() - start:.0f} s", flush=True)
         report(args.json)
     if args.profile:
-        profile(t, dy, Q)
+        profile(t, dy, Q, args.iters)
     return 0
 
 
