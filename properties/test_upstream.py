@@ -886,6 +886,18 @@ def test_ssd_minimal_half_precision_strong_decay(device):
     diverges_past_its_limit("mamba_ssm.ssd_minimal", case, device, says="float16")
 
 
+def test_mamba_chunk_scan_refuses_its_bf16_backward_only():
+    """No bf16 backward case of mamba_chunk_scan escapes its unstable d(dA_cumsum) (measured on an H200), so the
+    pass is refused with the reason — as a limit it left hypothesis nothing to draw (Unsatisfiable). Its other
+    passes, and ssd_chunk_scan_combined_ref's (plain autograd), are not refused."""
+    scan, ref = get("mamba_ssm.chunk_scan"), get("mamba_ssm.chunk_scan_ref")
+    if scan.unavailable():
+        pytest.skip(scan.unavailable())
+    assert "numerically unstable" in (scan.refuses(True, "cuda", "bfloat16") or "")
+    assert scan.refuses(False, "cuda", "bfloat16") is None and scan.refuses(True, "cuda", "float16") is None
+    assert ref.refuses(True, "cuda", "bfloat16") is None
+
+
 def test_a_pass_an_implementation_refuses_is_skipped_with_its_reason(monkeypatch, device):
     """A version/hardware guard of the code under test (fla's Hopper backward, #640) skips the whole pass with
     the guard's reason; drawing cases for it would only end in hypothesis's Unsatisfiable (as on an H200)."""
