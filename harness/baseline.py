@@ -26,6 +26,7 @@ stage names), so every output, gradient and stage has a baseline to be judged ag
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -355,7 +356,56 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
                       stages={k: as64(stages[k]) for k in STAGE_ORDER if k in stages})
 
 
-def evaluate_samples(case: Case, inputs: Inputs, device: Optional[str] = None, samples: int = SAMPLES) -> list:
-    """``samples`` evaluations: round-to-nearest first, then perturbed ones. The verdict's noise level at an
-    element is the largest error among them."""
-    return [evaluate(case, inputs, device, sample=k) for k in range(samples)]
+# Neighbour samples: the model kernel at inputs one unit roundoff away (each input element moved by +-2u of its
+# dtype, then rounded to it), its error measured against the oracle at those same inputs. The perturbed samples
+# above move the model's rounding points; these move the point the rounding happens at. Needed because a
+# gradient summed over every token with cancellation (the gradient of A) can be exact by chance at one input:
+# a 10-minute fuzz met a case where all three samples erred by 1e-9 to 2e-9 while inputs 1e-5 away gave the
+# same model ~2e-8 — and mamba_chunk_scan_combined's (healthy, sign-varying) 4.85e-8 became a "divergence".
+NEIGHBOURS = 2
+
+
+def neighbour(inputs: Inputs, k: int) -> Inputs:
+    """``inputs`` with every floating value moved by one random +-2u step of its dtype and rounded to it."""
+    gen = torch.Generator().manual_seed(104729 * k)
+    values = {}
+    for name, value in inputs.values.items():
+        dtype = inputs.dtypes.get(name, torch.float64)
+        if not value.is_floating_point():
+            values[name] = value
+            continue
+        sign = torch.randint(0, 2, value.shape, generator=gen, dtype=torch.int8).to(value.device, value.dtype) * 2 - 1
+        u = torch.finfo(dtype).eps / 2
+        values[name] = (value * (1 + 2 * u * sign)).to(dtype).to(value.dtype)
+    return dataclasses.replace(inputs, values=values)
+
+
+def _shifted(base: Evaluation, truth: Evaluation, model: Evaluation, exact: Evaluation) -> Evaluation:
+    """truth + (model - exact), key by key (``base``'s keys; ``base``'s value where a term is missing or not
+    finite): a sample whose error against ``truth`` is the model's error at the neighbouring inputs."""
+    def part(field):
+        out = {}
+        for key, fallback in getattr(base, field).items():
+            t, m, e = (getattr(x, field).get(key) for x in (truth, model, exact))
+            if t is None or m is None or e is None or t.shape != m.shape or m.shape != e.shape:
+                out[key] = fallback
+                continue
+            v = t + (m - e)
+            out[key] = torch.where(torch.isfinite(v), v, fallback)
+        return out
+    return Evaluation(outputs=part("outputs"), grads=part("grads"), stages=part("stages"))
+
+
+def evaluate_samples(case: Case, inputs: Inputs, device: Optional[str] = None, samples: int = SAMPLES,
+                     neighbours: int = NEIGHBOURS, truth: Optional[Evaluation] = None) -> list:
+    """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
+    neighbouring inputs (see NEIGHBOURS; ``truth``, the oracle at ``inputs``, is computed when not given).
+    The verdict's noise level at an element is the largest error among them."""
+    out = [evaluate(case, inputs, device, sample=k) for k in range(samples)]
+    if neighbours:
+        from harness import oracle
+        truth = truth if truth is not None else oracle.evaluate(case, inputs)
+        for k in range(1, neighbours + 1):
+            near = neighbour(inputs, k)
+            out.append(_shifted(out[0], truth, evaluate(case, near, device), oracle.evaluate(case, near)))
+    return out

@@ -241,7 +241,7 @@ class Fuzzer:
         device = self.config.device
         inputs = materialize(case, device)
         truth = oracle.evaluate(case, inputs, self.config.oracle)
-        base = baseline.evaluate_samples(case, inputs)
+        base = baseline.evaluate_samples(case, inputs, truth=truth)
         verdicts, outputs, launches = {}, {}, {}
         for spec in sides or self.sides():
             if choice == "sweep":

@@ -150,7 +150,7 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
         if write_repro:
             inputs = materialize(shrunk.minimal, fuzzer.config.device)
             truth = oracle.evaluate(shrunk.minimal, inputs, fuzzer.config.oracle)
-            base = baseline.evaluate_samples(shrunk.minimal, inputs)
+            base = baseline.evaluate_samples(shrunk.minimal, inputs, truth=truth)
             message = "\n".join(v.message() for v in final.verdicts.values())
             result.repro_path = repro.write(out / "repro.py", shrunk.minimal, fuzzer.sides(), inputs, truth, base,
                                             fuzzer.config.factor, message)

@@ -8,7 +8,9 @@ The rule
 For a tensor with float64 oracle value ``t`` and the same-precision baseline samples ``b_k``
 (harness/baseline.py: a model chunked kernel computing the same case in float32 with the case dtype's
 rounding at every product operand and stored intermediate — TF32 products for fp32 on a GPU — evaluated
-once rounding to nearest and twice with every rounding point perturbed by one unit roundoff), the budget of
+once rounding to nearest, twice with every rounding point perturbed by one unit roundoff, and twice at
+neighbouring inputs — each input moved one rounding step, the sample's error being the model's error against
+the oracle there, so an input where the model is exact by chance does not set the noise level), the budget of
 element ``e`` is
 
     budget_e = FACTOR * ( max_{cell(e)} max_k |b_k - t|  +  u * (|t_e| + mean_{cell(e)} |t|) )
