@@ -31,7 +31,8 @@ RICH = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_
 
 def prepared(case: Case):
     inputs = materialize(case)
-    return inputs, evaluate(case, inputs), baseline.evaluate_samples(case, inputs)
+    truth = evaluate(case, inputs)
+    return inputs, truth, baseline.evaluate_samples(case, inputs, truth=truth)
 
 
 def y_of(case, inputs, truth, bases, actual):
