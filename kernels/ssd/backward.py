@@ -31,7 +31,7 @@ import triton.language as tl
 from kernels.ssd import configs
 from kernels.ssd.bmm import ssd_bmm_fwd
 from kernels.ssd.chunk_state import ssd_chunk_state_bwd_dstates, ssd_chunk_state_fwd
-from kernels.ssd.common import load_seq, seq_bounds, softplus
+from kernels.ssd.common import load_seq, seq_bounds, softplus, tile_major
 from kernels.ssd.cumsum import ssd_chunk_cumsum_fwd
 from kernels.ssd.state_passing import ssd_state_passing_bwd, ssd_state_passing_fwd
 
@@ -94,7 +94,7 @@ def ssd_bwd_kernel_dcb_ddA(
     the latter with a running row prefix per head (kept in ``run`` between j-tiles): F_s = sum_{i > s}
     sum_{j <= s} G_ij is a column sum of an inclusive row cumsum, ddA_{s+1} = F_s. No term is added and
     subtracted again, so tiny gradients under strong decay survive in float32."""
-    i_bcg, i_m = tl.program_id(0), tl.program_id(1)
+    i_bcg, i_m = tile_major(tl.cdiv(Q, BM))
     i_b, i_c, i_g = i_bcg // (NC * G), (i_bcg // G) % NC, i_bcg % G
     o_i = i_m * BM + tl.arange(0, BM)
     t_i = i_c * Q + o_i
@@ -163,7 +163,7 @@ def ssd_dcb_ddA_bwd(x, ds, CB, dt_out, dA_cumsum, seq_idx=None):
     dCB = torch.empty(b, nc, g, Q, Q, device=x.device, dtype=torch.float32)
     part = torch.empty(b, h, nc, ngq, Q, device=x.device, dtype=torch.float32)
     run = torch.empty(b, h, nc, Q, device=x.device, dtype=torch.float32)
-    ssd_bwd_kernel_dcb_ddA[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]))](
+    ssd_bwd_kernel_dcb_ddA[lambda m: (b * nc * g * triton.cdiv(Q, m["BM"]),)](
         x, ds, CB, dt_out, dA_cumsum, seq_idx, dCB, part, run, L, h, g, h // g, nc, Q, p, ngq,
         *x.stride(), *ds.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)))
     return dCB, configs.used_slots(part, ssd_bwd_kernel_dcb_ddA, "BM", 3).sum(3)
@@ -183,8 +183,8 @@ def ssd_bwd_kernel_dbc(
 ):
     """IS_DC: out = dC, U = ds, V = B, W = C, states = H (passed states).
     else:     out = dB, U = x,  V = C, W = B, states = dS (gradient of the chunk states)."""
-    i_bcg, i_mn = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BN)
+    i_bcg, i_mn = tile_major(tl.cdiv(Q, BM) * n_n)
     i_m, i_n = i_mn // n_n, i_mn % n_n
     i_b, i_c, i_g = i_bcg // (NC * G), (i_bcg // G) % NC, i_bcg % G
     o_r = i_m * BM + tl.arange(0, BM)            # rows: token i (dC) or j (dB)
@@ -256,7 +256,7 @@ def _dbc(is_dc, U, V, W, dCB, dt_out, dA_cumsum, seq_idx, states, out_dtype):
     ngn = triton.cdiv(n, G16)
     out = torch.empty(b, L, g, n, device=U.device, dtype=out_dtype)
     part = torch.empty(b, h, nc, ngn, Q, device=U.device, dtype=torch.float32)
-    ssd_bwd_kernel_dbc[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]) * triton.cdiv(n, m["BN"]))](
+    ssd_bwd_kernel_dbc[lambda m: (b * nc * g * triton.cdiv(Q, m["BM"]) * triton.cdiv(n, m["BN"]),)](
         U, V, W, dCB, dt_out, dA_cumsum, seq_idx, states, out, part, L, h, g, h // g, nc, Q, p, n, ngn,
         *U.stride(), *V.stride(), *W.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         IS_DC=is_dc)
@@ -285,8 +285,8 @@ def ssd_bwd_kernel_dx(
     HAS_SEQ_IDX: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
-    i_bch, i_mp = tl.program_id(0), tl.program_id(1)
     n_p = tl.cdiv(P, BP)
+    i_bch, i_mp = tile_major(tl.cdiv(Q, BM) * n_p)
     i_m, i_p = i_mp // n_p, i_mp % n_p
     i_b, i_c, i_h = i_bch // (NC * H), (i_bch // H) % NC, i_bch % H
     i_g = i_h // (H // G)
@@ -367,7 +367,7 @@ def ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cumsum, dchunk_states, seq_idx=None, D=N
     ddt_part = torch.empty(b, h, nc, ngp, Q, device=x.device, dtype=torch.float32)
     dD_part = torch.empty((b, nc, ngm, h, p), device=x.device, dtype=torch.float32) if D is not None else None
     D_c = D.contiguous() if D is not None else None
-    ssd_bwd_kernel_dx[lambda m: (b * nc * h, triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]))](
+    ssd_bwd_kernel_dx[lambda m: (b * nc * h * triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]),)](
         x, ds, B, CB, dt_out, dA_cumsum, seq_idx, dchunk_states, D_c, dx, ddt_part, dD_part,
         L, h, g, nc, Q, p, n, ngp, ngm, *x.stride(), *ds.stride(), *B.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)), D_PER_CHANNEL=D is not None and D.dim() == 2)

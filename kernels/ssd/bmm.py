@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
+from kernels.ssd.common import tile_major
 
 
 @configs.autotune("bmm", key=["Q", "N"])
@@ -21,8 +22,8 @@ def ssd_fwd_kernel_bmm(
     s_b_b, s_b_l, s_b_g, s_b_n,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    i_bcg, i_mn = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(Q, BN)
+    i_bcg, i_mn = tile_major(tl.cdiv(Q, BM) * n_n)
     i_m, i_n = i_mn // n_n, i_mn % n_n
     i_b, i_c, i_g = i_bcg // (NC * G), (i_bcg // G) % NC, i_bcg % G
     o_i = i_m * BM + tl.arange(0, BM)
@@ -49,6 +50,6 @@ def ssd_bmm_fwd(C, B, chunk_size):
     Q = chunk_size
     nc = triton.cdiv(L, Q)
     CB = torch.empty(b, nc, g, Q, Q, device=C.device, dtype=torch.float32)
-    ssd_fwd_kernel_bmm[lambda m: (b * nc * g, triton.cdiv(Q, m["BM"]) * triton.cdiv(Q, m["BN"]))](
+    ssd_fwd_kernel_bmm[lambda m: (b * nc * g * triton.cdiv(Q, m["BM"]) * triton.cdiv(Q, m["BN"]),)](
         C, B, CB, L, g, nc, Q, n, *C.stride(), *B.stride())
     return CB

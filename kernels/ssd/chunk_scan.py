@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import load_seq, seq_bounds
+from kernels.ssd.common import load_seq, seq_bounds, tile_major
 
 
 @configs.autotune("chunk_scan", key=["Q", "P", "N"])
@@ -38,8 +38,8 @@ def ssd_fwd_kernel_chunk_scan(
     STORE_SCAN: tl.constexpr, STORE_PREGATE: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
-    i_bch, i_mp = tl.program_id(0), tl.program_id(1)
     n_p = tl.cdiv(P, BP)
+    i_bch, i_mp = tile_major(tl.cdiv(Q, BM) * n_p)
     i_m, i_p = i_mp // n_p, i_mp % n_p
     i_b, i_c, i_h = i_bch // (NC * H), (i_bch // H) % NC, i_bch % H
     i_g = i_h // (H // G)
@@ -124,7 +124,7 @@ def ssd_chunk_scan_fwd(x, C, CB, dt_out, dA_cumsum, passed_states, seq_idx=None,
     pregate = (torch.empty(b, L, h, p, device=x.device, dtype=pregate_dtype or x.dtype)
                if return_pregate else None)
     D_c = D.contiguous() if D is not None else None
-    ssd_fwd_kernel_chunk_scan[lambda m: (b * nc * h, triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]))](
+    ssd_fwd_kernel_chunk_scan[lambda m: (b * nc * h * triton.cdiv(Q, m["BM"]) * triton.cdiv(p, m["BP"]),)](
         x, C, CB, dt_out, dA_cumsum, passed_states, seq_idx, D_c, z, out, scan, pregate,
         L, h, g, nc, Q, p, n, *x.stride(), *C.stride(),
         *(z.stride() if z is not None else (0, 0, 0, 0)),

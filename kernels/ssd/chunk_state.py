@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import load_seq, seq_bounds
+from kernels.ssd.common import load_seq, seq_bounds, tile_major
 
 
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
@@ -30,8 +30,8 @@ def ssd_kernel_chunk_state(
     MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
     BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    i_bch, i_pn = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BN)
+    i_bch, i_pn = tile_major(tl.cdiv(P, BP) * n_n)
     i_p, i_n = i_pn // n_n, i_pn % n_n
     i_b, i_c, i_h = i_bch // (NC * H), (i_bch // H) % NC, i_bch % H
     i_g = i_h // (H // G)
@@ -84,7 +84,7 @@ def _chunk_reduce(mode, X, Bm, dt_out, dA_cs, seq_idx):
     S = torch.empty(b, nc, h, p, n, device=X.device, dtype=torch.float32)
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
     kernel = ssd_fwd_kernel_chunk_state if mode == 0 else ssd_bwd_kernel_dstates
-    kernel[lambda m: (b * nc * h, triton.cdiv(p, m["BP"]) * triton.cdiv(n, m["BN"]))](
+    kernel[lambda m: (b * nc * h * triton.cdiv(p, m["BP"]) * triton.cdiv(n, m["BN"]),)](
         X, Bm, dt_out, dA_cs, seq_idx, S, L, h, g, nc, Q, p, n, *X.stride(), *Bm.stride(), *seq_strides, MODE=mode)
     return S
 

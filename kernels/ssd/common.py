@@ -6,6 +6,10 @@ Conventions (every kernel):
   passed states (b, c, h, p, n); final states (b, h, p, n). Positions past L inside the last chunk behave
   like tokens with dt = 0 of the same sequence as the last real token (they change nothing).
 - Program ids are cast to int64 before they meet a stride, so offsets past 2**31 elements are safe.
+- The chunk-parallel kernels (C.B^T, chunk state, chunk scan and their backward counterparts) launch a 1-D
+  grid whose tile index runs fastest (``tile_major``): the tiles of one (batch, chunk, head or group) run
+  side by side and share its inputs in L2, and the heads of one group follow each other (they share C, B
+  and C.B^T).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ def softplus(x):
     w = 1.0 + u
     lp = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
     return tl.where(x <= 20.0, lp, x)
+
+
+@triton.jit
+def tile_major(n_tiles):
+    """(outer index, tile index) of a 1-D launch of ``outer * n_tiles`` programs, tile index fastest."""
+    pid = tl.program_id(0)
+    return pid // n_tiles, pid % n_tiles
 
 
 @triton.jit
