@@ -8,7 +8,8 @@ Not a test. On a CUDA GPU (an H200 for kernels/BENCHMARKS.md):
 Per shape (batch, seqlen, nheads, headdim, dstate, ngroups), chunk 256, Mamba-2-like inputs (D per head,
 dt_bias, softplus; no z, no seq_idx), it prints for each implementation:
 - forward and forward+backward milliseconds: the median over --rounds rounds that interleave the implementations
-  (each a triton.testing.do_bench median; autotuning done before), with the rounds' min and max;
+  (each a triton.testing.do_bench median; autotuning done before, at each shape afresh), with the rounds' min and
+  max;
 - the relative RMS error of y against the float64 chunked oracle (harness.oracle.chunked), computed on the
   heads of the first ``--error-groups`` groups (the float64 oracle of a whole 65536-token shape is too big);
 - the memory-traffic lower bound: the bytes a kernel must at least move (read x, dt, B, C; write y — and for
@@ -127,6 +128,22 @@ def write_markdown(path, head, rounds, rows) -> None:
                     f"| {err:.2e} | {lb_f:.3f} | {lb_a:.3f} |\n")
 
 
+def retune() -> int:
+    """Forget every Triton autotuner's choice (ssdiff's, mamba_ssm's, fla's), so each shape is tuned for itself.
+
+    Their keys hold the tile dimensions (chunk size, headdim, dstate), not batch, length or heads: without
+    this, every shape of a run would use the configs tuned at its first shape. Returns how many were reset."""
+    import gc
+    import warnings
+    from triton.runtime.autotuner import Autotuner
+    with warnings.catch_warnings():       # isinstance on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        tuners = [obj for obj in gc.get_objects() if isinstance(obj, Autotuner)]
+    for tuner in tuners:
+        tuner.cache.clear()
+    return len(tuners)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", help="b,L,h,p,n,g (default: the five of issue 7)")
@@ -160,6 +177,7 @@ def main(argv=None) -> int:
     print(head)
     rows = []
     for shape in shapes:
+        retune()
         t, dy = make_inputs(shape, dtype, dev)
         fwd_b, all_b = traffic_bytes(shape, dtype)
         lb_f, lb_a = fwd_b / args.bandwidth * 1e3, all_b / args.bandwidth * 1e3

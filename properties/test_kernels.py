@@ -4,6 +4,7 @@
 - the whole forward and forward+backward (every input's gradient, with and without a final-state gradient)
   of ``ssd.triton`` over generated cases spanning every feature, both entry points;
 - backward determinism (bitwise identical gradients on a rerun, under every autotune configuration);
+- the int64 in-chunk address path, forced, is bitwise the int32 one;
 - teeth: a corrupted result is caught.
 
 Every example runs under one autotune configuration index, drawn (``runtime.autotune(index)``: config
@@ -266,6 +267,32 @@ def test_backward_is_deterministic(device):
         first, second = grads(index), grads(index)
         for name in first:
             assert torch.equal(first[name], second[name]), f"grad.{name} differs between two runs (config {index})"
+
+
+def test_wide_in_chunk_offsets_give_the_same_result(device, monkeypatch):
+    """The chunk-state and chunk-scan loops address tokens inside a chunk with int32 offsets from the chunk's
+    first token; only when a chunk's span of a token stride could pass int32 (``idx64``: 2 * chunk_size *
+    stride >= 2**31, a tensor too big to build here) do they widen them to int64. That path, forced, gives bitwise
+    the same outputs and gradients as the int32 one."""
+    import kernels.ssd.chunk_scan as chunk_scan
+    import kernels.ssd.chunk_state as chunk_state
+    from kernels.ssd.common import idx64
+    assert not idx64(256, 2 ** 22 - 1) and idx64(256, 2 ** 22) and idx64(256, 1, -(2 ** 22))
+    case = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=16, D="channel",
+                has_z=True, initial_states=True, segments=((7, 10, 2), (21,)), padding=(2, 0),
+                pass_="backward", final_state_grad=True)
+    impl = get(IMPL)
+    inputs = materialize(case, device)
+    narrow = impl.run(case, inputs)
+    widened = []
+    for module in (chunk_scan, chunk_state):
+        monkeypatch.setattr(module, "idx64", lambda *a: widened.append(a) or True)
+    wide = impl.run(case, inputs)
+    assert widened, "no kernel asked whether to widen its offsets"
+    for name in narrow.outputs:
+        assert torch.equal(narrow.outputs[name], wide.outputs[name]), name
+    for name in narrow.grads:
+        assert torch.equal(narrow.grads[name], wide.grads[name]), f"grad.{name}"
 
 
 # ---- teeth -----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import load_seq, seq_bounds, tile_major
+from kernels.ssd.common import idx64, in_chunk, load_seq, seq_bounds, tile_major
 
 
 @configs.autotune("chunk_scan", key=["Q", "P", "N"])
@@ -35,7 +35,7 @@ def ssd_fwd_kernel_chunk_scan(
     s_z_b, s_z_l, s_z_h, s_z_p,
     s_seq_b, s_seq_l,
     HAS_SEQ_IDX: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
-    STORE_SCAN: tl.constexpr, STORE_PREGATE: tl.constexpr,
+    STORE_SCAN: tl.constexpr, STORE_PREGATE: tl.constexpr, IDX64: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
     n_p = tl.cdiv(P, BP)
@@ -71,6 +71,7 @@ def ssd_fwd_kernel_chunk_scan(
 
     # diagonal block: causal, same sequence
     p_CB = CB + ((i_b.to(tl.int64) * NC + i_c) * G + i_g) * Q * Q + o_i[:, None] * Q
+    p_xc = p_x + (i_c * Q).to(tl.int64) * s_x_l             # x at the chunk's first token
     hi = tl.minimum((i_m + 1) * BM, Q)
     for k in range(0, hi, BK):
         o_j = k + tl.arange(0, BK)
@@ -84,7 +85,7 @@ def ssd_fwd_kernel_chunk_scan(
         b_decay = tl.exp(tl.where(m_ij, b_cs_i[:, None] - b_cs_j[None, :], float("-inf")))
         b_cb = tl.load(p_CB + o_j[None, :], mask=(o_i < Q)[:, None] & (o_j < Q)[None, :], other=0.0)
         b_w = b_cb * b_decay * b_dt_j[None, :]                                                       # [BM, BK]
-        b_xj = tl.load(p_x + t_j.to(tl.int64)[:, None] * s_x_l + o_p[None, :] * s_x_p,
+        b_xj = tl.load(p_xc + in_chunk(o_j, IDX64)[:, None] * s_x_l + o_p[None, :] * s_x_p,
                        mask=m_j[:, None] & m_p[None, :], other=0.0)                                  # [BK, BP]
         b_acc += tl.dot(b_w.to(b_xj.dtype), b_xj)
 
@@ -129,5 +130,5 @@ def ssd_chunk_scan_fwd(x, C, CB, dt_out, dA_cumsum, passed_states, seq_idx=None,
         L, h, g, nc, Q, p, n, *x.stride(), *C.stride(),
         *(z.stride() if z is not None else (0, 0, 0, 0)),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        D_PER_CHANNEL=D is not None and D.dim() == 2)
+        D_PER_CHANNEL=D is not None and D.dim() == 2, IDX64=idx64(Q, x.stride(1)))
     return out, scan, pregate

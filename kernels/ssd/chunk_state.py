@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import load_seq, seq_bounds, tile_major
+from kernels.ssd.common import idx64, in_chunk, load_seq, seq_bounds, tile_major
 
 
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
@@ -27,7 +27,7 @@ def ssd_kernel_chunk_state(
     s_x_b, s_x_l, s_x_h, s_x_p,
     s_b_b, s_b_l, s_b_g, s_b_n,
     s_seq_b, s_seq_l,
-    MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+    MODE: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, IDX64: tl.constexpr,
     BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     n_n = tl.cdiv(N, BN)
@@ -44,13 +44,15 @@ def ssd_kernel_chunk_state(
     o_cs = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * Q
     b_cs_last = tl.load(dA_cs + o_cs + Q - 1)
 
-    p_X = X + i_b.to(tl.int64) * s_x_b + i_h * s_x_h + o_p[:, None] * s_x_p
-    p_B = Bm + i_b.to(tl.int64) * s_b_b + i_g * s_b_g + o_n[None, :] * s_b_n
+    t_0 = i_c * Q                                  # the chunk's first token
+    n_q = tl.minimum(Q, L - t_0)                   # its tokens before L
+    p_X = X + i_b.to(tl.int64) * s_x_b + t_0.to(tl.int64) * s_x_l + i_h * s_x_h + o_p[:, None] * s_x_p
+    p_B = Bm + i_b.to(tl.int64) * s_b_b + t_0.to(tl.int64) * s_b_l + i_g * s_b_g + o_n[None, :] * s_b_n
     b_acc = tl.zeros([BP, BN], dtype=tl.float32)
-    for k in range(0, Q, BK):
+    for k in range(0, n_q, BK):
         o_q = k + tl.arange(0, BK)
-        o_t = i_c * Q + o_q
-        m_t = (o_q < Q) & (o_t < L)
+        o_t = t_0 + o_q
+        m_t = o_q < n_q
         b_cs = tl.load(dA_cs + o_cs + o_q, mask=o_q < Q, other=0.0)
         b_seq = load_seq(seq_idx, o_seq, s_seq_l, o_t, o_q < Q, L, seq_last, HAS_SEQ_IDX)
         if MODE == 0:
@@ -60,8 +62,9 @@ def ssd_kernel_chunk_state(
         else:
             m_w = m_t & (b_seq == seq_prev) & (b_seq >= 0)
             b_w = tl.where(m_w, tl.exp(b_cs), 0.0)
-        b_x = tl.load(p_X + o_t.to(tl.int64)[None, :] * s_x_l, mask=m_p[:, None] & m_t[None, :], other=0.0)
-        b_b = tl.load(p_B + o_t.to(tl.int64)[:, None] * s_b_l, mask=m_t[:, None] & m_n[None, :], other=0.0)
+        o_k = in_chunk(o_q, IDX64)
+        b_x = tl.load(p_X + o_k[None, :] * s_x_l, mask=m_p[:, None] & m_t[None, :], other=0.0)
+        b_b = tl.load(p_B + o_k[:, None] * s_b_l, mask=m_t[:, None] & m_n[None, :], other=0.0)
         if MODE == 0:
             # B scaled by its decay to the chunk end and dt, rounded to the input dtype (as Mamba-2 kernels)
             b_bw = (b_b.to(tl.float32) * b_w[:, None]).to(b_x.dtype)                     # [BK, BN]
@@ -85,7 +88,8 @@ def _chunk_reduce(mode, X, Bm, dt_out, dA_cs, seq_idx):
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
     kernel = ssd_fwd_kernel_chunk_state if mode == 0 else ssd_bwd_kernel_dstates
     kernel[lambda m: (b * nc * h * triton.cdiv(p, m["BP"]) * triton.cdiv(n, m["BN"]),)](
-        X, Bm, dt_out, dA_cs, seq_idx, S, L, h, g, nc, Q, p, n, *X.stride(), *Bm.stride(), *seq_strides, MODE=mode)
+        X, Bm, dt_out, dA_cs, seq_idx, S, L, h, g, nc, Q, p, n, *X.stride(), *Bm.stride(), *seq_strides, MODE=mode,
+        IDX64=idx64(Q, X.stride(1), Bm.stride(1)))
     return S
 
 

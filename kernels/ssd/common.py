@@ -5,7 +5,9 @@ Conventions (every kernel):
 - Chunk-major fp32 intermediates: dt_out and dA_cumsum (b, h, c, Q); CB (b, c, g, Q, Q); chunk states,
   passed states (b, c, h, p, n); final states (b, h, p, n). Positions past L inside the last chunk behave
   like tokens with dt = 0 of the same sequence as the last real token (they change nothing).
-- Program ids are cast to int64 before they meet a stride, so offsets past 2**31 elements are safe.
+- Program ids are cast to int64 before they meet a stride, so offsets past 2**31 elements are safe. The
+  inner loops of the chunk state and the chunk scan start from a pointer at the chunk's first token and add
+  int32 token offsets (``in_chunk``; int64 only where ``idx64`` finds a chunk's span could pass int32).
 - The chunk-parallel kernels (C.B^T, chunk state, chunk scan and their backward counterparts) launch a 1-D
   grid whose tile index runs fastest (``tile_major``): the tiles of one (batch, chunk, head or group) run
   side by side and share its inputs in L2, and the heads of one group follow each other (they share C, B
@@ -32,6 +34,25 @@ def tile_major(n_tiles):
     """(outer index, tile index) of a 1-D launch of ``outer * n_tiles`` programs, tile index fastest."""
     pid = tl.program_id(0)
     return pid // n_tiles, pid % n_tiles
+
+
+def idx64(chunk_size: int, *strides: int) -> bool:
+    """Whether a token offset inside a chunk times one of these strides can pass int32 (``in_chunk``). The
+    offsets a tile forms, its masked overshoot past the chunk's end included, stay below 2 * chunk_size (a
+    token block is at most the next power of two of the chunk size)."""
+    return 2 * chunk_size * max((abs(int(s)) for s in strides), default=0) >= 2 ** 31
+
+
+@triton.jit
+def in_chunk(o_q, IDX64: tl.constexpr):
+    """Token offsets inside a chunk, for address arithmetic against a pointer already at the chunk's first
+    token: int32 (cheaper in the inner loops) unless the host found, with ``idx64``, that a chunk's span of
+    a stride can pass int32."""
+    if IDX64:
+        o_w = o_q.to(tl.int64)
+    else:
+        o_w = o_q
+    return o_w
 
 
 @triton.jit
