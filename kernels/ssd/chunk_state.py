@@ -116,7 +116,7 @@ def ssd_fwd_kernel_varlen_states(
     s_x_l, s_x_h, s_x_p, s_b_l, s_b_g, s_b_n, s_seq_l,
     BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Batch 1: the state after the last token of sequence s = program_id(1) // H."""
+    """Batch 1: the state after the last token of sequence s = program_id(0) // H."""
     i_sh, i_pn = tl.program_id(0), tl.program_id(1)
     n_n = tl.cdiv(N, BN)
     i_p, i_n = i_pn // n_n, i_pn % n_n
