@@ -20,7 +20,7 @@ those kernels compute:
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
 
-`evaluate(case, inputs)` returns an `harness.oracle.Evaluation` (float64 tensors, the oracle's layouts and
+`evaluate(case, inputs)` returns an `harness.evaluation.Evaluation` (float64 tensors, the oracle's layouts and
 stage names), so every output, gradient and stage has a baseline to be judged against.
 """
 
@@ -28,21 +28,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from harness import runtime
-from harness.autodiff import differentiate
 from harness.case import Case
+from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
-from harness.oracle import Evaluation
 from harness.oracle.chunked import process_dt
 from harness.oracle.mixer import conv_vectorized, norm_vectorized
 from harness.oracle.result import STAGE_ORDER
 
 COMPUTE = torch.float32
+# The oracle at other inputs: (case, inputs) -> Evaluation (e.g. harness.oracle.evaluate).
+OracleAt = Callable[[Case, Inputs], Evaluation]
 _LOW = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -324,13 +325,9 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
     ``sample`` 0 rounds to nearest; k >= 1 draws a perturbed sample (see `Rounding`)."""
     device = device if device is not None else inputs.device
     rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, sample)
-    leaves = {}
-    for name, value in inputs.values.items():
-        t = value.to(COMPUTE)
-        if case.backward and name in inputs.differentiable:
-            t.requires_grad_(True)
-        leaves[name] = t
-    with torch.set_grad_enabled(case.backward):
+    leaves = inputs.leaves(COMPUTE, requires_grad=case.backward)
+
+    def forward() -> Evaluation:
         if case.entry == "chunk_scan":
             y, final, varlen, stages = scan(
                 leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=case.chunk_size,
@@ -347,13 +344,12 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
         if case.varlen_states and varlen is not None:
             outputs["varlen_states"] = varlen
         stages["y"] = y
-        grads = {}
-        if case.backward:
-            raw = differentiate(case, inputs, leaves, outputs)
-            grads = {k: g.to(inputs.dtypes[k]).to(torch.float64) for k, g in raw.items()}
-    as64 = lambda t: t.detach().to(torch.float64)
-    return Evaluation(outputs={k: as64(v) for k, v in outputs.items()}, grads=grads,
-                      stages={k: as64(stages[k]) for k in STAGE_ORDER if k in stages})
+        return Evaluation(outputs, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
+
+    result = evaluate_graph(case, inputs, leaves, forward)
+    as64 = lambda d: {k: v.to(torch.float64) for k, v in d.items()}
+    return Evaluation(outputs=as64(result.outputs), stages=as64(result.stages),
+                      grads={k: g.to(inputs.dtypes[k]).to(torch.float64) for k, g in result.grads.items()})
 
 
 # Neighbour samples: the model kernel at inputs one unit roundoff away (each input element moved by +-2u of its
@@ -396,16 +392,17 @@ def _shifted(base: Evaluation, truth: Evaluation, model: Evaluation, exact: Eval
     return Evaluation(outputs=part("outputs"), grads=part("grads"), stages=part("stages"))
 
 
-def evaluate_samples(case: Case, inputs: Inputs, device: Optional[str] = None, samples: int = SAMPLES,
-                     neighbours: int = NEIGHBOURS, truth: Optional[Evaluation] = None) -> list:
+def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Optional[OracleAt] = None,
+                     device: Optional[str] = None, samples: int = SAMPLES, neighbours: int = NEIGHBOURS) -> list:
     """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
-    neighbouring inputs (see NEIGHBOURS; ``truth``, the oracle at ``inputs``, is computed when not given).
-    The verdict's noise level at an element is the largest error among them."""
+    neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``; ``oracle(case, inputs)``
+    evaluates it at other inputs (needed when ``neighbours`` > 0). The verdict's noise level at an element is
+    the largest error among the samples."""
     out = [evaluate(case, inputs, device, sample=k) for k in range(samples)]
     if neighbours:
-        from harness import oracle
-        truth = truth if truth is not None else oracle.evaluate(case, inputs)
+        if oracle is None:
+            raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
         for k in range(1, neighbours + 1):
             near = neighbour(inputs, k)
-            out.append(_shifted(out[0], truth, evaluate(case, near, device), oracle.evaluate(case, near)))
+            out.append(_shifted(out[0], truth, evaluate(case, near, device), oracle(case, near)))
     return out

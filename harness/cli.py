@@ -155,7 +155,8 @@ def cmd_fuzz(args) -> int:
         dtypes=tuple(args.dtype.split(",")) if getattr(args, "dtype", None) else None, autotune=autotune,
         device=args.device, out_dir=getattr(args, "out", None), isolate=getattr(args, "isolate", False),
         timeout=getattr(args, "timeout", 300.0), keep_going=getattr(args, "keep_going", False),
-        seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False), bounds=bounds,
+        seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
+        minimize=not getattr(args, "no_minimize", False), bounds=bounds,
         oracle=getattr(args, "oracle", None) or "ref.chunked")
     try:
         fuzzer = Fuzzer(config)
@@ -198,19 +199,18 @@ def cmd_fuzz(args) -> int:
     else:
         report = fuzzer.run()
         err_console.print(line(), highlight=False, soft_wrap=True)
-    minimize_each = not getattr(args, "no_minimize", False)
     for finding in report.findings:
         console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
                      f"{finding.cases_before + 1} cases judged)")
         console.print(fuzzer.message(finding), highlight=False, markup=False, soft_wrap=True)
         console.print(f"-> {finding.path}", highlight=False, soft_wrap=True)
-        if minimize_each and finding.outcome.verdicts and all(
-                v.status not in ("crash", "hang") for v in finding.outcome.verdicts.values()):
-            _minimize_finding(finding, config, err_console)
-    if minimize_each and report.findings and report.report_path and config.report_dir:
-        from harness.report import render_run
-
-        report.report_path = str(render_run(report.out_dir, config.report_dir))    # now with minimized cases
+        if finding.minimized is not None:
+            result = finding.minimized
+            console.print(f"minimized in {finding.minimize_seconds:.1f} s ({result.shrunk.runs} runs): "
+                          f"{result.minimal.describe()}", highlight=False, soft_wrap=True)
+            console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
+        elif finding.minimize_problem:
+            err_console.print(f"  minimize: {finding.minimize_problem}", highlight=False, soft_wrap=True)
     if report.report_path:
         console.print(f"report: {report.report_path}", highlight=False, soft_wrap=True)
     worst = ", ".join(f"{d} {w['ratio']:.3g}x ({w['tensor']}, {w['side']})" for d, w in sorted(report.worst.items()))
@@ -225,25 +225,6 @@ def cmd_fuzz(args) -> int:
                   f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
                   soft_wrap=True)
     return report.exit_code
-
-
-def _minimize_finding(finding, config, err_console) -> None:
-    """Minimize one fuzz finding in place: minimized.json, minimized-verdict.json and repro.py in its folder."""
-    import time
-
-    from harness.minimize import NotDiverging, minimize
-
-    start = time.perf_counter()
-    try:
-        result = minimize(finding.outcome.case, config.impl, config.against, device=config.device,
-                          out_dir=finding.path, choice=finding.outcome.choice if finding.outcome.choice != "sweep"
-                          else "tuned", max_runs=150, isolate=config.isolate)
-    except NotDiverging as exc:
-        err_console.print(f"  minimize: {exc}", highlight=False, soft_wrap=True)
-        return
-    console.print(f"minimized in {time.perf_counter() - start:.1f} s ({result.shrunk.runs} runs): "
-                  f"{result.minimal.describe()}", highlight=False, soft_wrap=True)
-    console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
 
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,
@@ -295,11 +276,11 @@ def _add_fuzz_arguments(p, demo: bool = False):
 
 def _sides_for(args, path) -> tuple:
     """--impl/--against, or the sides recorded next to a fuzz finding."""
-    from harness.minimize import sides_of
+    from harness.store import recorded_sides
 
     if args.impl:
         return args.impl, args.against
-    recorded = sides_of(path)
+    recorded = recorded_sides(path)
     if not recorded:
         raise SystemExit(f"ssdiff: {path}: no verdict.json next to it names the implementations: give --impl")
     return recorded[0], (recorded[1] if len(recorded) > 1 else None)
@@ -354,7 +335,8 @@ def cmd_replay(args) -> int:
     from pathlib import Path
 
     from harness.case import Case
-    from harness.minimize import replay, stored_verdicts
+    from harness.minimize import replay
+    from harness.store import stored_verdicts
 
     path = Path(args.case)
     case = Case.load(path)

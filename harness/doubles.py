@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from harness import oracle
 from harness.baseline import scan as model_scan
 from harness.case import Case
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.evaluation import Evaluation, evaluate_graph
+from harness.impls.base import Capabilities, Implementation
 from harness.inputs import Inputs, torch_dtype
 from harness.oracle.chunked import process_dt
 from harness.oracle.mixer import conv_vectorized, norm_vectorized
@@ -104,16 +105,6 @@ def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_sof
     return y, state, stages
 
 
-def _float32_leaves(case: Case, inputs: Inputs) -> dict:
-    out = {}
-    for name, value in inputs.values.items():
-        t = value.to(torch.float32)
-        if case.backward and name in inputs.differentiable:
-            t.requires_grad_(True)
-        out[name] = t
-    return out
-
-
 class _Float32Implementation(Implementation):
     """Runs ``compute(case, leaves, inputs) -> (outputs, stages)`` in float32 and returns what a kernel would:
     y in the case dtype, states in float32, gradients in their inputs' dtypes."""
@@ -121,19 +112,17 @@ class _Float32Implementation(Implementation):
     def compute(self, case: Case, t: dict, inputs: Inputs):
         raise TypeError(f"{type(self).__name__} must define compute()")
 
-    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
-        from harness.autodiff import differentiate
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
+        leaves = inputs.leaves(torch.float32, requires_grad=case.backward)
 
-        leaves = _float32_leaves(case, inputs)
-        with torch.set_grad_enabled(case.backward):
+        def forward() -> Evaluation:
             outputs, stages = self.compute(case, leaves, inputs)
             outputs["y"] = outputs["y"].to(torch_dtype(case))
-            grads = {}
-            if case.backward:
-                raw = differentiate(case, inputs, leaves, outputs)
-                grads = {k: v.to(inputs.dtypes[k]) for k, v in raw.items()}
-        return Outputs(outputs={k: v.detach() for k, v in outputs.items()}, grads=grads,
-                       stages={k: v.detach() for k, v in stages.items()} if want_stages else {})
+            return Evaluation(outputs, stages=stages if want_stages else {})
+
+        result = evaluate_graph(case, inputs, leaves, forward)
+        result.grads = {k: v.to(inputs.dtypes[k]) for k, v in result.grads.items()}
+        return result
 
 
 class ToyKernel(_Float32Implementation):
@@ -175,7 +164,8 @@ class ToyMixer(_Float32Implementation):
         h, p, g, n, dim = case.nheads, case.headdim, case.ngroups, case.dstate, case.dim
         b, L, _ = t["zxbcdt"].shape
         zx0, z, xBC, dt = torch.split(t["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
-        seq = inputs.seq_idx.long() if inputs.seq_idx is not None else torch.zeros(b, L, dtype=torch.long)
+        seq = inputs.seq_idx.long() if inputs.seq_idx is not None else torch.zeros(b, L, dtype=torch.long,
+                                                                                 device=xBC.device)
         conv = conv_vectorized(xBC, t["conv1d_weight"], t["conv1d_bias"], seq, case.activation)
         x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
         rms = t.get("rmsnorm_weight")
@@ -239,7 +229,7 @@ class Misbehaving(Implementation):
         self.capabilities = Capabilities(unsupported=frozenset({"varlen_states"}))
         self._healthy = ToyKernel()
 
-    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
         if not self.only_with_groups or case.ngroups > 1:
             if self.how == "abort":
                 os.abort()

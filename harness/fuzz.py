@@ -1,28 +1,25 @@
-"""`ssdiff fuzz`: Hypothesis searches for a case on which an implementation diverges from the float64 oracle
-(or from another implementation), judges every case with the noise-floor verdict (harness/verdict.py),
-localizes each divergence (harness/localize.py) and writes it as case.json + verdict.json.
+"""The fuzz campaign: Hypothesis searches for a case on which an implementation diverges from the float64
+oracle (or from another implementation); each divergence is localized (harness/localize.py), minimized
+(harness/minimize.py) and saved (harness/store.py), and the run is rendered as an HTML report.
 
     report = Fuzzer(FuzzConfig(impl="mamba_ssm.split_conv1d_combined",
                                against="mamba_ssm.split_conv1d_ref", max_time=300)).run()
 
-The search is a Hypothesis property (`cases()` from harness/strategies.py, one autotune config index drawn
-per case when asked) with ``hypothesis.target`` on log10 of the case's worst ratio, so that with an example
-budget the second half of it climbs toward larger errors. It stops at the first divergence unless
-``keep_going`` (then divergences are bucketed by which side fails, how, and in which tensors), at the time
-budget, or at the example budget. Cases outside an implementation's capabilities are first fitted (the
-features it cannot express switched off: the same simplifications localization uses) and skipped, with the
-reason counted, when that is not enough.
+`ssdiff fuzz` is this call plus printing. Every case is examined by one harness.examine.Examiner (inputs,
+truth and baseline once per case). The search is a Hypothesis property (`cases()` from harness/strategies.py,
+one autotune config index drawn per case when asked) with ``hypothesis.target`` on log10 of the case's worst
+ratio, so that with an example budget the second half of it climbs toward larger errors. It stops at the
+first divergence unless ``keep_going`` (then divergences are bucketed by which side fails, how, and in which
+tensors), at the time budget, or at the example budget. Cases outside an implementation's capabilities are
+first fitted (the features it cannot express switched off) and skipped, with the reason counted, when that is
+not enough.
 
-Output directory: summary.json (the configuration, the runtime, cases tried and skipped, the largest ratio
-seen per dtype and per side, time to the first divergence, the divergences) and one folder per divergence,
-divergence-NNN/ with case.json (replayable), verdict.json (every side's verdict, tensor by tensor, the pair's
-disagreement, the localization), message.txt (the same in words) and error_maps.json (the error maps,
-harness/report/maps.py). The run's HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report).
+The output directory is a saved run (harness/store.py); the HTML report goes to
+<report_dir>/<out_dir's name>/index.html (harness/report).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -31,15 +28,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from harness import baseline, localize, oracle, runtime
-from harness.case import Case
-from harness.inputs import materialize
-from harness.isolate import InProcessRunner, IsolatedRunner, RunResult, resolve
-from harness.localize import fit_case
+from harness import localize, oracle, runtime, store
+from harness.examine import Examiner, Outcome, UsageError
 from harness.report.environment import environment
-from harness.report.maps import error_maps
 from harness.strategies import Bounds, cases
-from harness.verdict import FACTOR, Verdict, disagreement, failed_run, judge, severity
+from harness.verdict import FACTOR, budget_rule
 
 PASSES = ("forward", "backward", "mixed")
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
@@ -47,10 +40,6 @@ AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
 # Larger shapes where kernels run natively (the float64 oracle on a GPU keeps up).
 GPU_BOUNDS = Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=64, max_dstate=64,
                     chunk_sizes=(16, 32, 64, 128, 256))
-
-
-class UsageError(ValueError):
-    """The fuzz configuration cannot run (unknown implementation, nothing in common, ...): exit status 2."""
 
 
 @dataclass
@@ -77,41 +66,15 @@ class FuzzConfig:
     keep_going: bool = False
     seed: Optional[int] = None
     localize: bool = True
+    # Minimize each divergence found (minimized.json, minimized-verdict.json, repro.py in its folder).
+    minimize: bool = True
+    minimize_runs: int = 150
     bounds: Optional[Bounds] = None
     oracle: str = oracle.DEFAULT_ORACLE
     factor: float = FACTOR
     ablation_runs: Optional[int] = None
     # The HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report); None: no report.
     report_dir: Optional[str] = field(default_factory=lambda: os.environ.get("SSDIFF_REPORTS") or "reports")
-
-
-@dataclass
-class Outcome:
-    """One case examined: each side's verdict (and outputs), the pair's disagreement, the config used."""
-
-    case: Case
-    choice: object
-    verdicts: dict
-    outputs: dict
-    launches: dict
-    pair: dict = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def diverged(self) -> bool:
-        return any(not v.ok for v in self.verdicts.values())
-
-    def signature(self) -> tuple:
-        """Which side fails, how, and in which tensors: divergences with one signature are one bucket."""
-        sig = []
-        for side, v in self.verdicts.items():
-            if not v.ok:
-                sig.append((side, v.status, tuple(sorted(t.name for t in v.failing if t.kind != "stage"))))
-        return tuple(sig)
-
-    def worst_ratio(self) -> float:
-        finite = [v.ratio for v in self.verdicts.values() if math.isfinite(v.ratio)]
-        return max(finite, default=0.0)
 
 
 @dataclass
@@ -124,6 +87,9 @@ class Finding:
     path: Optional[str] = None
     repeats: int = 0
     staged: dict = field(default_factory=dict)     # side -> Verdict with stages (the localization re-run)
+    minimized: Optional[object] = None             # harness.minimize.Minimized, when minimized
+    minimize_problem: str = ""                     # why it was not minimized (it no longer diverges, ...)
+    minimize_seconds: float = 0.0
 
 
 @dataclass
@@ -161,7 +127,9 @@ class FuzzReport:
             "divergences": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
                              "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
                              "cases_before": f.cases_before, "case": f.outcome.case.describe(),
-                             "summary": f.localization.get("text", "")} for f in self.findings],
+                             "summary": f.localization.get("text", ""),
+                             "minimized": f.minimized.minimal.describe() if f.minimized else None,
+                             "minimize_problem": f.minimize_problem or None} for f in self.findings],
             "python": platform.python_version(), "platform": platform.platform(),
             "environment": environment(cfg.device),
         }
@@ -180,16 +148,9 @@ class Fuzzer:
         runtime.configure()
         cfg = config
         cfg.device = cfg.device or runtime.default_device()
-        try:
-            self.impls = {cfg.impl: resolve(cfg.impl)}
-            if cfg.against:
-                self.impls[cfg.against] = resolve(cfg.against)
-        except KeyError as err:
-            raise UsageError(str(err)) from None
-        for spec, impl in self.impls.items():
-            why = impl.unavailable()
-            if why:
-                raise UsageError(f"{spec} cannot run here: {why}")
+        self.examiner = Examiner([cfg.impl] + ([cfg.against] if cfg.against else []), cfg.device,
+                                 oracle_name=cfg.oracle, factor=cfg.factor, isolate=cfg.isolate, timeout=cfg.timeout)
+        self.impls = self.examiner.impls
         if cfg.pass_ not in PASSES:
             raise UsageError(f"--pass must be one of {', '.join(PASSES)}, got {cfg.pass_!r}")
         if not (cfg.autotune in AUTOTUNE_POLICIES or (isinstance(cfg.autotune, int) and cfg.autotune >= 0)):
@@ -224,145 +185,9 @@ class Fuzzer:
         self.bounds = cfg.bounds or (GPU_BOUNDS if cfg.device.startswith("cuda") else Bounds())
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
-        self.runner = IsolatedRunner(cfg.device, cfg.timeout) if cfg.isolate else InProcessRunner(cfg.device)
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
         self._start = None
         self._signatures: dict = {}
-        self._staged: dict = {}
-
-    # ---- one case ----------------------------------------------------------------------------------------
-
-    def sides(self) -> list:
-        return list(self.impls)
-
-    def examine(self, case: Case, choice="tuned", want_stages: bool = False, sides=None) -> Outcome:
-        """Run every side (or ``sides``) on ``case`` and judge each against the oracle."""
-        start = time.perf_counter()
-        device = self.config.device
-        inputs = materialize(case, device)
-        truth = oracle.evaluate(case, inputs, self.config.oracle)
-        base = baseline.evaluate_samples(case, inputs, truth=truth)
-        verdicts, outputs, launches = {}, {}, {}
-        for spec in sides or self.sides():
-            if choice == "sweep":
-                verdicts[spec], outputs[spec], launches[spec] = self._examine_sweep(spec, case, inputs, truth, base,
-                                                                                     want_stages)
-                continue
-            rr = self.runner.run(spec, case, want_stages, choice)
-            launches[spec] = rr.launches
-            if rr.status != "ok":
-                verdicts[spec] = failed_run(spec, rr.status, rr.detail, rr.seconds)
-                continue
-            outputs[spec] = rr.outputs
-            verdicts[spec] = judge(spec, case, inputs, rr.outputs, truth, base, stages=want_stages,
-                                   factor=self.config.factor, seconds=rr.seconds)
-        pair = {}
-        if len(outputs) == 2:
-            a, b = (outputs[s] for s in self.sides())
-            pair = disagreement(case, inputs, a, b, truth, base, self.config.factor)
-        return Outcome(case, choice, verdicts, outputs, launches, pair, time.perf_counter() - start)
-
-    def _examine_sweep(self, spec, case, inputs, truth, base, want_stages):
-        worst_v, worst_o, worst_l, index, needed = None, None, [], 0, 1
-        while index < needed:
-            rr = self.runner.run(spec, case, want_stages, index)
-            if rr.status != "ok":
-                return failed_run(spec, rr.status, f"(autotune config index {index}) {rr.detail}", rr.seconds), None, \
-                    rr.launches
-            v = judge(spec, case, inputs, rr.outputs, truth, base, stages=want_stages, factor=self.config.factor,
-                      seconds=rr.seconds)
-            v.notes.append(f"autotune config index {index}")
-            if worst_v is None or (severity(v.status), v.ratio) > (severity(worst_v.status), worst_v.ratio):
-                worst_v, worst_o, worst_l = v, rr.outputs, rr.launches
-            needed = max([needed] + [n for _, _, n, _ in rr.launches])
-            index += 1
-        return worst_v, worst_o, worst_l
-
-    # ---- localization ------------------------------------------------------------------------------------
-
-    def investigate(self, outcome: Outcome) -> dict:
-        """Localize a divergence: sides, stages, coordinates, autotune configs, feature trigger."""
-        case, choice = outcome.case, outcome.choice
-        failing = {s: v for s, v in outcome.verdicts.items() if not v.ok}
-        self._staged = {}
-        result = {"sides": localize.sides(outcome.verdicts, outcome.pair or None)}
-        texts = [result["sides"]["text"]]
-        if not self.config.localize:
-            result["text"] = "\n".join(texts)
-            return result
-
-        def same(candidate: Case) -> bool:
-            try:
-                again = self.examine(candidate, choice if choice != "sweep" else "tuned", sides=list(failing))
-            except Exception:           # a case the oracle or the baseline cannot take: not the same divergence
-                return False
-            for spec, original in failing.items():
-                v = again.verdicts.get(spec)
-                if v is None or v.ok:
-                    return False
-                if original.status in ("error", "crash", "hang") or v.status in ("error", "crash", "hang"):
-                    if v.status != original.status:
-                        return False
-                    continue
-                before = {t.name for t in original.failing if t.kind != "stage"}
-                after = {t.name for t in v.failing if t.kind != "stage"}
-                if not before & after:
-                    return False
-            return True
-
-        hang = any(v.status == "hang" for v in failing.values())
-        trigger = None
-        if not hang:
-            trigger = localize.minimal_trigger(case, same, self.config.ablation_runs)
-            result["features"] = trigger
-        per_side = {}
-        for spec, v in failing.items():
-            entry: dict = {}
-            if v.status in ("diverged", "nonfinite", "mismatch"):
-                staged = self.examine(case, choice if choice != "sweep" else "tuned", want_stages=True,
-                                      sides=[spec]).verdicts[spec]
-                if staged.status in ("error", "crash", "hang"):
-                    staged = v
-                self._staged[spec] = staged
-                st = localize.stages(staged, trigger["trigger"] if trigger else None)
-                entry["stages"] = st
-                coords = []
-                primary = localize.describe_primary(staged, st)
-                if primary is not None:
-                    coords.append(localize.coordinates(primary, case))
-                worst_out = localize.describe_primary(staged, None)
-                if worst_out is not None and (primary is None or worst_out.name != primary.name):
-                    coords.append(localize.coordinates(worst_out, case))
-                entry["coordinates"] = coords
-                if self._explores_configs(outcome.launches.get(spec, [])):
-                    entry["configs"] = self._config_sweep(spec, case)
-            per_side[spec] = entry
-        result["per_side"] = per_side
-        for spec, entry in per_side.items():
-            prefix = f"{spec}: " if len(self.impls) > 1 else ""
-            if "stages" in entry:
-                texts.append(prefix + entry["stages"]["text"])
-            for c in entry.get("coordinates", []):
-                texts.append(prefix + "where: " + c["text"])
-            if "configs" in entry:
-                texts.append(prefix + entry["configs"]["text"])
-        if trigger:
-            texts.append(trigger["text"])
-            texts.append(f"minimal case: {trigger['minimal_case_description']}")
-        result["text"] = "\n".join(texts)
-        return result
-
-    def _explores_configs(self, launches) -> bool:
-        return self.config.autotune != "tuned" and any(n > 1 for _, _, n, _ in launches)
-
-    def _config_sweep(self, spec, case) -> dict:
-        per_index, index, needed = [], 0, 1
-        while index < needed and index < 16:
-            out = self.examine(case, index, sides=[spec])
-            per_index.append((index, not out.verdicts[spec].ok, out.launches.get(spec, [])))
-            needed = max([needed] + [n for _, _, n, _ in out.launches.get(spec, [])])
-            index += 1
-        return localize.configs(per_index)
 
     # ---- the campaign ------------------------------------------------------------------------------------
 
@@ -394,48 +219,32 @@ class Fuzzer:
     def _record(self, outcome: Outcome) -> Optional[Finding]:
         sig = outcome.signature()
         if sig in self._signatures:
-            finding = self._signatures[sig]
-            finding.repeats += 1
+            self._signatures[sig].repeats += 1
             return None
-        loc = self.investigate(outcome)
+        cfg = self.config
+        if cfg.localize:
+            loc, staged = localize.investigate(self.examiner, outcome, cfg.ablation_runs,
+                                               explore_configs=cfg.autotune != "tuned")
+        else:
+            loc, staged = {"sides": localize.sides(outcome.verdicts, outcome.pair or None)}, {}
+            loc["text"] = loc["sides"]["text"]
         finding = Finding(number=len(self.report.findings) + 1, outcome=outcome, localization=loc,
-                          found_after_s=self._elapsed(), cases_before=self.report.tried - 1,
-                          staged=dict(self._staged))
+                          found_after_s=self._elapsed(), cases_before=self.report.tried - 1, staged=staged)
         self._signatures[sig] = finding
         self.report.findings.append(finding)
         if self.report.first_divergence_s is None:
             self.report.first_divergence_s = finding.found_after_s
-        finding.path = self._write(finding)
+        finding.path = str(self._write(finding))
         return finding
 
-    def _write(self, finding: Finding) -> str:
-        folder = os.path.join(self.out_dir, f"divergence-{finding.number:03d}")
-        os.makedirs(folder, exist_ok=True)
+    def _write(self, finding: Finding):
         o = finding.outcome
-        with open(os.path.join(folder, "case.json"), "w", encoding="utf-8") as fh:
-            fh.write(o.case.to_json() + "\n")
-        message = self.message(finding)
-        record = {
-            "case": o.case.to_dict(), "case_description": o.case.describe(), "autotune": o.choice,
-            "device": self.config.device, "runtime": runtime.describe(), "oracle": self.config.oracle,
-            "budget_rule": f"per element: {self.config.factor:g} x (the largest error of the same-precision "
-                           f"baseline samples in its cell (batch row, chunk, head) + unit roundoff x (|expected| + "
-                           f"the cell's mean |expected|))",
-            "verdicts": {s: v.to_dict() for s, v in o.verdicts.items()},
-            "pair_ratio_by_tensor": {k: (v if math.isfinite(v) else str(v)) for k, v in o.pair.items()},
-            "localization": _jsonable(finding.localization),
-            "found_after_s": round(finding.found_after_s, 2), "cases_before": finding.cases_before,
-            "message": message,
-        }
-        with open(os.path.join(folder, "verdict.json"), "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=2)
-            fh.write("\n")
-        with open(os.path.join(folder, "message.txt"), "w", encoding="utf-8") as fh:
-            fh.write(message + "\n")
-        with open(os.path.join(folder, "error_maps.json"), "w", encoding="utf-8") as fh:
-            json.dump(_jsonable(error_maps(o.case, {**o.verdicts, **finding.staged})), fh)
-            fh.write("\n")
-        return folder
+        return store.write_divergence(
+            store.divergence_folder(self.out_dir, finding.number), o.case, o.verdicts, self.message(finding),
+            finding.localization, finding.staged, autotune=o.choice, device=self.config.device,
+            runtime=runtime.describe(), oracle=self.config.oracle, budget_rule=budget_rule(self.config.factor),
+            pair_ratio_by_tensor=o.pair, found_after_s=round(finding.found_after_s, 2),
+            cases_before=finding.cases_before)
 
     def message(self, finding: Finding) -> str:
         o = finding.outcome
@@ -449,10 +258,7 @@ class Fuzzer:
         return "\n".join(lines)
 
     def _write_summary(self):
-        os.makedirs(self.out_dir, exist_ok=True)
-        with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-            json.dump(_jsonable(self.report.summary()), fh, indent=2)
-            fh.write("\n")
+        store.write_summary(self.out_dir, self.report.summary())
 
     def _progress(self, last: Optional[Outcome]):
         if self.progress is None:
@@ -463,6 +269,22 @@ class Fuzzer:
                        "worst": r.worst, "divergences": len(r.findings),
                        "last": last.case.describe() if last else None})
 
+    def _minimize(self, finding: Finding):
+        """Shrink one finding in its folder (minimized.json, minimized-verdict.json, repro.py). A run that
+        crashed or hung is not minimized (every candidate would cost a child process or a timeout)."""
+        from harness.minimize import NotDiverging, minimize_outcome
+
+        if any(v.status in ("crash", "hang") for v in finding.outcome.verdicts.values()):
+            finding.minimize_problem = "not minimized: a side crashed or hung"
+            return
+        start = time.perf_counter()
+        try:
+            finding.minimized = minimize_outcome(self.examiner, finding.outcome, finding.path,
+                                                 max_runs=self.config.minimize_runs)
+        except NotDiverging as exc:
+            finding.minimize_problem = str(exc)
+        finding.minimize_seconds = time.perf_counter() - start
+
     def run(self) -> FuzzReport:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -472,7 +294,6 @@ class Fuzzer:
         cfg = self.config
         self._start = time.perf_counter()
         os.makedirs(self.out_dir, exist_ok=True)
-        impls = list(self.impls.values())
         if cfg.autotune == "random":
             choices = st.integers(0, 7)
         else:
@@ -495,15 +316,14 @@ class Fuzzer:
             case, choice = drawn
             if case.entry not in self.entries:
                 return
-            fitted = fit_case(case, impls, cfg.device)
+            fitted = self.examiner.fit(case)
             if fitted is None:
-                reason = next((i.skip_reason(case, cfg.device) for i in impls if i.skip_reason(case, cfg.device)),
-                              "outside the capabilities")
+                reason = next(iter(self.examiner.skip_reasons(case)), "outside the capabilities")
                 self.report.skipped += 1
                 self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
                 return
             try:
-                outcome = self.examine(fitted, choice)
+                outcome = self.examiner.examine(fitted, choice)
             except Exception as err:
                 # The harness itself (oracle, baseline, judge) failed on this case: a bug of ours, recorded
                 # with the case so it can be replayed, and the search goes on.
@@ -531,15 +351,20 @@ class Fuzzer:
         if cfg.seed is not None:
             test = hypothesis_seed(cfg.seed)(test)
         try:
-            test()
+            try:
+                test()
+            except Stop:
+                pass
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
-        except Stop:
-            pass
+            self.report.stopped = stop_reason[0]
+            if cfg.minimize:
+                for finding in self.report.findings:
+                    self._minimize(finding)
         finally:
-            self.runner.close()
+            self.examiner.close()
             self.report.elapsed = self._elapsed()
-            self.report.stopped = stop_reason[0] if stop_reason else "interrupted"
+            self.report.stopped = self.report.stopped or "interrupted"
             self._write_summary()
         if cfg.report_dir:
             from harness.report import render_run
@@ -548,16 +373,4 @@ class Fuzzer:
         return self.report
 
 
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
-
-
-__all__ = ["FuzzConfig", "Fuzzer", "FuzzReport", "Finding", "Outcome", "UsageError", "resolve", "fit_case"]
+__all__ = ["FuzzConfig", "Fuzzer", "FuzzReport", "Finding", "Outcome", "UsageError"]

@@ -80,15 +80,20 @@ class Inputs:
         names = CHUNK_SCAN_DIFFERENTIABLE if self.case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
         return tuple(n for n in names if n in self.values)
 
-    def float64(self, requires_grad: bool = False) -> dict:
-        """Fresh float64 leaves (contiguous), optionally requiring grad, for the oracle."""
+    def leaves(self, dtype: torch.dtype, requires_grad: bool = False) -> dict:
+        """Fresh contiguous leaves of every value in ``dtype`` (the differentiable ones requiring grad when
+        asked): what the oracles (float64) and the float32 model kernels compute on."""
         out = {}
         for name, value in self.values.items():
-            t = value.clone()
+            t = value.to(dtype, copy=True)
             if requires_grad and name in self.differentiable:
                 t.requires_grad_(True)
             out[name] = t
         return out
+
+    def float64(self, requires_grad: bool = False) -> dict:
+        """Fresh float64 leaves, optionally requiring grad, for the oracle."""
+        return self.leaves(torch.float64, requires_grad)
 
     def native(self, requires_grad: bool = False, dtypes: Optional[dict] = None) -> dict:
         """Tensors in the dtypes implementations get, in the case's layout, on the device.

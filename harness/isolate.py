@@ -3,7 +3,8 @@
 A kernel that aborts, segfaults or corrupts the CUDA context takes its process with it; one that loops
 forever holds it. `IsolatedRunner` keeps a child process (multiprocessing "spawn": a fresh interpreter, safe
 with CUDA) that materializes the case's inputs itself (they are deterministic in (case, device)), runs the
-implementation and sends back its results on CPU. When the child dies the run is a ``crash`` (with the
+implementation and sends back its results on CPU. `InProcessRunner` runs on the inputs it is handed (the
+examiner builds them once per case). When the child dies the run is a ``crash`` (with the
 signal or exit code), when it does not answer within the timeout it is killed and the run is a ``hang``;
 either way the next run starts a new child and fuzzing goes on. An exception inside the implementation is an
 ``error`` in both runners.
@@ -70,11 +71,9 @@ def short_error(err: BaseException) -> str:
     return text + where
 
 
-def _run_here(impl, case: Case, device: str, want_stages: bool, choice) -> RunResult:
+def _run_here(impl, case: Case, inputs, want_stages: bool, choice) -> RunResult:
     from harness import runtime
-    from harness.inputs import materialize
 
-    inputs = materialize(case, device)
     start = time.perf_counter()
     try:
         with runtime.autotune(choice):
@@ -82,13 +81,14 @@ def _run_here(impl, case: Case, device: str, want_stages: bool, choice) -> RunRe
             launches = [(l.kernel, l.index, l.nconfigs, l.config) for l in runtime.launches()]
     except Exception as err:            # the implementation raised: a verdict, not our crash
         return RunResult("error", detail=short_error(err), seconds=time.perf_counter() - start)
-    if torch.device(device).type == "cuda":
+    if inputs.device.type == "cuda":
         torch.cuda.synchronize()
     return RunResult("ok", outputs=out, seconds=time.perf_counter() - start, launches=launches)
 
 
 class InProcessRunner:
-    """Runs implementations in this process: fast; an abort or a hang takes the whole run with it."""
+    """Runs implementations in this process on the inputs it is given: fast; an abort or a hang takes the
+    whole run with it."""
 
     isolated = False
 
@@ -96,18 +96,12 @@ class InProcessRunner:
         self.device = device
         self._impls: dict = {}
 
-    def run(self, spec: str, case: Case, want_stages: bool = False, choice="tuned") -> RunResult:
+    def run(self, spec: str, case: Case, inputs, want_stages: bool = False, choice="tuned") -> RunResult:
         impl = self._impls.get(spec) or self._impls.setdefault(spec, resolve(spec))
-        return _run_here(impl, case, self.device, want_stages, choice)
+        return _run_here(impl, case, inputs, want_stages, choice)
 
     def close(self):
         pass
-
-
-def _to_cpu(out):
-    move = lambda d: {k: (v.detach().to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-    out.outputs, out.grads, out.stages = move(out.outputs), move(out.grads), move(out.stages)
-    return out
 
 
 def _child(conn, device: str):
@@ -116,7 +110,7 @@ def _child(conn, device: str):
 
     runtime.configure()
     import harness.impls  # noqa: F401 - the registry and torch, before the parent starts the clock
-    import harness.inputs  # noqa: F401
+    from harness.inputs import materialize
 
     conn.send("ready")
     impls: dict = {}
@@ -130,11 +124,12 @@ def _child(conn, device: str):
         spec, case_json, want_stages, choice = request
         try:
             impl = impls.get(spec) or impls.setdefault(spec, resolve(spec))
-            result = _run_here(impl, Case.from_json(case_json), device, want_stages, choice)
+            case = Case.from_json(case_json)
+            result = _run_here(impl, case, materialize(case, device), want_stages, choice)
         except Exception as err:
             result = RunResult("error", detail=short_error(err))
         if result.outputs is not None:
-            result.outputs = _to_cpu(result.outputs)
+            result.outputs = result.outputs.to("cpu")
         conn.send(result)
 
 
@@ -201,7 +196,9 @@ class IsolatedRunner:
                 proc.kill()
                 proc.join(timeout=5)
 
-    def run(self, spec: str, case: Case, want_stages: bool = False, choice="tuned") -> RunResult:
+    def run(self, spec: str, case: Case, inputs=None, want_stages: bool = False, choice="tuned") -> RunResult:
+        """Run ``spec`` on ``case`` in the child, which materializes the inputs itself (``inputs`` is not sent:
+        they are deterministic in (case, device))."""
         if self._proc is None or not self._proc.is_alive():
             if self._proc is not None:
                 self._stop(kill=True)

@@ -476,5 +476,84 @@ def describe_primary(verdict: Verdict, stage_result: Optional[dict]) -> Optional
     return max(pool, key=lambda t: (t.name == "y", t.ratio if math.isfinite(t.ratio) else 0))
 
 
+# ---- a whole divergence -------------------------------------------------------------------------------------
+
+MAX_CONFIGS_SWEPT = 16
+
+
+def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_configs: bool = False) -> tuple:
+    """Localize ``outcome``'s divergence with ``examiner`` (harness.examine.Examiner): the sides, the feature
+    trigger (ablations judged with harness.examine.same_divergence), and per failing side the first divergent
+    stage and the coordinates, and with ``explore_configs`` the autotune configs that diverge. Returns
+    (localization dict, {side: the verdict with stages}); re-examining the case reuses its evidence."""
+    from harness.examine import same_divergence
+    from harness.verdict import RUN_FAILURES
+
+    case = outcome.case
+    choice = outcome.choice if outcome.choice != "sweep" else "tuned"
+    failing = outcome.failing
+    result = {"sides": sides(outcome.verdicts, outcome.pair or None)}
+    texts = [result["sides"]["text"]]
+
+    def same(candidate: Case) -> bool:
+        try:
+            again = examiner.examine(candidate, choice, sides=list(failing))
+        except Exception:           # a case the oracle or the baseline cannot take: not the same divergence
+            return False
+        return same_divergence(outcome, again)
+
+    trigger = None
+    if not any(v.status == "hang" for v in failing.values()):
+        trigger = minimal_trigger(case, same, ablation_runs)
+        result["features"] = trigger
+    examiner.keep(outcome)
+    per_side, staged_verdicts = {}, {}
+    for spec, v in failing.items():
+        entry: dict = {}
+        if v.status not in RUN_FAILURES:
+            staged = examiner.examine(case, choice, stages=True, sides=[spec]).verdicts[spec]
+            if staged.status in RUN_FAILURES:
+                staged = v
+            staged_verdicts[spec] = staged
+            found = stages(staged, trigger["trigger"] if trigger else None)
+            entry["stages"] = found
+            coords = []
+            primary = describe_primary(staged, found)
+            if primary is not None:
+                coords.append(coordinates(primary, case))
+            worst_out = describe_primary(staged, None)
+            if worst_out is not None and (primary is None or worst_out.name != primary.name):
+                coords.append(coordinates(worst_out, case))
+            entry["coordinates"] = coords
+            if explore_configs and any(n > 1 for _, _, n, _ in outcome.launches.get(spec, [])):
+                entry["configs"] = _config_sweep(examiner, case, spec)
+        per_side[spec] = entry
+    result["per_side"] = per_side
+    for spec, entry in per_side.items():
+        prefix = f"{spec}: " if len(outcome.verdicts) > 1 else ""
+        if "stages" in entry:
+            texts.append(prefix + entry["stages"]["text"])
+        for c in entry.get("coordinates", []):
+            texts.append(prefix + "where: " + c["text"])
+        if "configs" in entry:
+            texts.append(prefix + entry["configs"]["text"])
+    if trigger:
+        texts.append(trigger["text"])
+        texts.append(f"minimal case: {trigger['minimal_case_description']}")
+    result["text"] = "\n".join(texts)
+    return result, staged_verdicts
+
+
+def _config_sweep(examiner, case: Case, spec: str) -> dict:
+    per_index, index, needed = [], 0, 1
+    while index < needed and index < MAX_CONFIGS_SWEPT:
+        out = examiner.examine(case, index, sides=[spec])
+        launches = out.launches.get(spec, [])
+        per_index.append((index, not out.verdicts[spec].ok, launches))
+        needed = max([needed] + [n for _, _, n, _ in launches])
+        index += 1
+    return configs(per_index)
+
+
 __all__ = ["SIMPLIFICATIONS", "simplify", "fit_case", "minimal_trigger", "stages", "coordinates", "configs",
-           "sides", "describe_primary"]
+           "sides", "describe_primary", "investigate"]

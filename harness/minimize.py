@@ -1,33 +1,32 @@
 """Minimize a divergence: the smallest, plainest Case on which the same divergence persists, and its repro.py.
 
-"The same divergence" (every step is checked, like the PyTorch accuracy minifier does):
-- the same sides fail, with the same status (diverged, nonfinite, crash, ...);
-- in at least one of the same outputs / gradients;
-- at the same first divergent stage, when the original's was known from stage intermediates;
-- still well over budget: a ratio of at least MIN_RATIO (or a non-finite one) on a failing side.
+A step is kept (every step is checked, like the PyTorch accuracy minifier does) when the divergence is the
+same (harness.examine.same_divergence: the same sides fail with the same status, in at least one of the same
+outputs or gradients), still well over budget (a ratio of at least MIN_RATIO, or a non-finite one, on a
+failing side), and at the same first divergent stage when the original's was measured from stage
+intermediates.
 
-The search is harness/shrink.py's greedy delta debugging over the Case. Results go next to the case:
+The search is harness/shrink.py's greedy delta debugging over the Case. Results go next to the case (harness/store.py):
 minimized.json (the minimal case), minimized-verdict.json (its verdict, what replay compares against) and
-repro.py (harness/repro.py).
+repro.py (harness/repro.py), written from the minimal case's own inputs, truth and baseline.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import datetime
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness import localize, oracle, repro
-from harness import baseline
+from harness import repro, runtime, store
 from harness.case import Case, CaseError
-from harness.fuzz import FuzzConfig, Fuzzer, Outcome, fit_case
-from harness.inputs import materialize
+from harness.examine import Examiner, Outcome, same_divergence
+from harness.oracle import DEFAULT_ORACLE
 from harness.shrink import Shrunk, Step, shrink
+from harness.verdict import FACTOR, RUN_FAILURES
 
 MIN_RATIO = 4.0
-RUN_FAILURES = ("error", "crash", "hang")
 
 
 class NotDiverging(Exception):
@@ -49,139 +48,96 @@ class Minimized:
         return self.shrunk.irrelevant_features()
 
 
-def sides_of(case_path: Path) -> list:
-    """The sides recorded next to a fuzz finding (verdict.json), or []."""
-    record = Path(case_path).with_name("verdict.json")
-    if not record.exists():
-        return []
-    try:
-        return list(json.loads(record.read_text(encoding="utf-8")).get("verdicts", {}))
-    except (json.JSONDecodeError, OSError):
-        return []
-
-
-def _failing(outcome: Outcome) -> dict:
-    return {side: v for side, v in outcome.verdicts.items() if not v.ok}
-
-
-def _first_stage(fuzzer: Fuzzer, case: Case, side: str, choice) -> Optional[str]:
-    staged = fuzzer.examine(case, choice, want_stages=True, sides=[side]).verdicts[side]
-    if staged.status in RUN_FAILURES:
-        return None
-    found = localize.stages(staged)
-    return found["first"] if not found.get("inferred") else None
-
-
-def persists_predicate(fuzzer: Fuzzer, original: Outcome, first_stage: Optional[str], choice) -> Callable:
-    failing = _failing(original)
-    impls = list(fuzzer.impls.values())
-    device = fuzzer.config.device
+def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optional[str], kept: list) -> Callable:
+    """``candidate -> bool``: the original's divergence persists on ``candidate`` (the module docstring). The
+    outcome of each candidate kept is appended to ``kept``."""
+    failing = list(original.failing)
+    choice = original.choice
 
     def persists(candidate: Case) -> bool:
-        if any(impl.skip_reason(candidate, device) for impl in impls):
+        if examiner.skip_reasons(candidate):
             return False
         try:
-            again = fuzzer.examine(candidate, choice, sides=list(failing))
+            again = examiner.examine(candidate, choice, sides=failing)
         except (CaseError, RuntimeError, ValueError):
             return False
-        strong = False
-        for side, before in failing.items():
-            after = again.verdicts.get(side)
-            if after is None or after.ok or after.status != before.status:
-                return False
-            if before.status not in RUN_FAILURES:
-                names_before = {t.name for t in before.failing if t.kind != "stage"}
-                names_after = {t.name for t in after.failing if t.kind != "stage"}
-                if not names_before & names_after:
-                    return False
-            strong |= not math.isfinite(after.ratio) or after.ratio >= MIN_RATIO
-        if not strong:
+        if not same_divergence(original, again, MIN_RATIO):
             return False
-        if first_stage is not None:
-            side = next(iter(failing))
-            if _first_stage(fuzzer, candidate, side, choice) != first_stage:
-                return False
+        if first_stage is not None and examiner.first_stage(candidate, failing[0], choice) != first_stage:
+            return False
+        kept.append(again)
         return True
 
     return persists
 
 
+def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Optional[Callable[[Step], None]] = None,
+                     max_runs: int = 300, write_repro: bool = True) -> Minimized:
+    """Shrink the diverging ``original`` (examined by ``examiner``) and write minimized.json,
+    minimized-verdict.json and repro.py into ``out_dir``. Raises NotDiverging when it does not diverge."""
+    if not original.diverged:
+        raise NotDiverging(f"{original.case.describe()}: no divergence — "
+                           + "; ".join(v.message() for v in original.verdicts.values()))
+    choice = original.choice if original.choice != "sweep" else "tuned"
+    if choice != original.choice:
+        original = examiner.examine(original.case, choice)
+        if not original.diverged:
+            raise NotDiverging(f"{original.case.describe()}: diverges only when every autotune config is swept")
+    examiner.keep(original)
+    failing = original.failing
+    side = next(iter(failing))
+    first = None if failing[side].status in RUN_FAILURES else examiner.first_stage(original.case, side, choice)
+    kept = [original]
+    shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept), on_step=on_step,
+                    max_runs=max_runs)
+    examiner.keep(kept[-1])                          # the minimal case: examined again with its evidence
+    final = examiner.examine(shrunk.minimal, choice, stages=True)
+    out = Path(out_dir)
+    result = Minimized(original=original.case, minimal=shrunk.minimal, shrunk=shrunk, outcome=final,
+                       first_stage=first, out_dir=out)
+    result.files = store.write_minimized(out, shrunk.minimal, {
+        "original": original.case.to_dict(), "minimal": shrunk.minimal.to_dict(),
+        "minimal_description": shrunk.minimal.describe(), "sides": examiner.sides, "device": examiner.device,
+        "autotune": choice, "first_stage": first, "runs": shrunk.runs,
+        "steps_kept": [s.change for s in shrunk.kept],
+        "irrelevant_features": shrunk.irrelevant_features(),
+        "verdicts": {side: v.to_dict() for side, v in final.verdicts.items()},
+    })
+    if write_repro:
+        message = "\n".join(v.message() for v in final.verdicts.values())
+        result.repro_path = repro.write(out / store.REPRO, shrunk.minimal, examiner.sides, final.inputs, final.truth,
+                                        final.baseline, examiner.factor, message)
+        result.files.append(result.repro_path)
+    return result
+
+
 def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None,
              out_dir=None, choice="tuned", on_step: Optional[Callable[[Step], None]] = None,
-             max_runs: int = 300, isolate: bool = False, write_repro: bool = True) -> Minimized:
+             max_runs: int = 300, isolate: bool = False, write_repro: bool = True,
+             oracle_name: str = DEFAULT_ORACLE, factor: float = FACTOR) -> Minimized:
     """Shrink ``case`` while impl (vs against, or vs the oracle) keeps the same divergence; write the results
-    into ``out_dir``. Raises NotDiverging when the case does not diverge."""
-    fuzzer = Fuzzer(FuzzConfig(impl=impl, against=against, device=device, max_time=None, max_examples=1,
-                               isolate=isolate, localize=False, report_dir=None,
-                               out_dir=str(out_dir) if out_dir else None))
-    try:
-        fitted = fit_case(case, list(fuzzer.impls.values()), fuzzer.config.device)
+    into ``out_dir`` (default ssdiff-out/minimize-<time>). Raises NotDiverging when the case does not diverge."""
+    runtime.configure()
+    device = device or runtime.default_device()
+    with Examiner([impl] + ([against] if against else []), device, oracle_name=oracle_name, factor=factor,
+                  isolate=isolate) as examiner:
+        fitted = examiner.fit(case)
         if fitted is None:
-            reasons = [i.skip_reason(case, fuzzer.config.device) for i in fuzzer.impls.values()]
             raise NotDiverging("the case is outside an implementation's capabilities: "
-                               + "; ".join(r for r in reasons if r))
-        original = fuzzer.examine(fitted, choice)
-        if not original.diverged:
-            raise NotDiverging(f"{fitted.describe()}: no divergence — "
-                               + "; ".join(v.message() for v in original.verdicts.values()))
-        failing = _failing(original)
-        side = next(iter(failing))
-        first = None
-        if failing[side].status not in RUN_FAILURES:
-            first = _first_stage(fuzzer, fitted, side, choice)
-        shrunk = shrink(fitted, persists_predicate(fuzzer, original, first, choice), on_step=on_step,
-                        max_runs=max_runs)
-        final = fuzzer.examine(shrunk.minimal, choice, want_stages=True)
-        out = Path(out_dir) if out_dir else Path(fuzzer.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        result = Minimized(original=fitted, minimal=shrunk.minimal, shrunk=shrunk, outcome=final,
-                           first_stage=first, out_dir=out)
-        (out / "minimized.json").write_text(shrunk.minimal.to_json() + "\n", encoding="utf-8")
-        record = {
-            "original": fitted.to_dict(), "minimal": shrunk.minimal.to_dict(),
-            "minimal_description": shrunk.minimal.describe(), "sides": fuzzer.sides(), "device": fuzzer.config.device,
-            "autotune": choice, "first_stage": first, "runs": shrunk.runs,
-            "steps_kept": [s.change for s in shrunk.kept],
-            "irrelevant_features": shrunk.irrelevant_features(),
-            "verdicts": {s: v.to_dict() for s, v in final.verdicts.items()},
-        }
-        (out / "minimized-verdict.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        result.files = [out / "minimized.json", out / "minimized-verdict.json"]
-        if write_repro:
-            inputs = materialize(shrunk.minimal, fuzzer.config.device)
-            truth = oracle.evaluate(shrunk.minimal, inputs, fuzzer.config.oracle)
-            base = baseline.evaluate_samples(shrunk.minimal, inputs, truth=truth)
-            message = "\n".join(v.message() for v in final.verdicts.values())
-            result.repro_path = repro.write(out / "repro.py", shrunk.minimal, fuzzer.sides(), inputs, truth, base,
-                                            fuzzer.config.factor, message)
-            result.files.append(result.repro_path)
-        return result
-    finally:
-        fuzzer.runner.close()
+                               + "; ".join(examiner.skip_reasons(case)))
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = out_dir or os.path.join("ssdiff-out", f"minimize-{stamp}")
+        return minimize_outcome(examiner, examiner.examine(fitted, choice), out, on_step=on_step,
+                                max_runs=max_runs, write_repro=write_repro)
 
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",
            isolate: bool = False) -> Outcome:
     """Judge ``case`` again (the same case on the same machine gives the same numbers)."""
-    fuzzer = Fuzzer(FuzzConfig(impl=impl, against=against, device=device, max_time=None, max_examples=1,
-                               isolate=isolate, localize=False, report_dir=None))
-    try:
-        return fuzzer.examine(case, choice)
-    finally:
-        fuzzer.runner.close()
+    runtime.configure()
+    with Examiner([impl] + ([against] if against else []), device or runtime.default_device(),
+                  isolate=isolate) as examiner:
+        return examiner.examine(case, choice)
 
 
-def stored_verdicts(case_path: Path) -> Optional[dict]:
-    """The verdicts saved next to a case file (minimized-verdict.json for minimized.json, else verdict.json)."""
-    path = Path(case_path)
-    for name in (("minimized-verdict.json",) if path.name == "minimized.json" else ("verdict.json",)):
-        record = path.with_name(name)
-        if record.exists():
-            try:
-                return json.loads(record.read_text(encoding="utf-8")).get("verdicts")
-            except (json.JSONDecodeError, OSError):
-                return None
-    return None
-
-
-__all__ = ["minimize", "replay", "Minimized", "NotDiverging", "sides_of", "stored_verdicts", "MIN_RATIO"]
+__all__ = ["minimize", "minimize_outcome", "replay", "Minimized", "NotDiverging", "MIN_RATIO"]

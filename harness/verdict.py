@@ -459,6 +459,12 @@ def element_budget(t, b, judged, layout: Layout, case: Case, u: float, factor: f
     return budget, noise, ids, berr, tabs
 
 
+def budget_rule(factor: float = FACTOR) -> str:
+    """`element_budget` in one line, as saved runs and reports state it (harness/README.md has the long form)."""
+    return (f"per element: {factor:g} x (the largest error of the same-precision baseline samples in its cell "
+            f"(batch row, chunk, head) + unit roundoff x (|expected| + the cell's mean |expected|))")
+
+
 def _reduce_map(ratio: torch.Tensor, layout: Layout):
     """Max ratio over the non-local axes: a small map over (batch, token/chunk, head/group/channel, seq)."""
     keep = [i for i, a in enumerate(layout.axes) if a in LOCAL_AXES]

@@ -16,12 +16,14 @@ from harness import localize
 from harness.case import Case
 from harness.cli import main
 from harness.fuzz import FuzzConfig, Fuzzer, UsageError
+from harness.minimize import replay
 from harness.verdict import Verdict
 
 
 def fuzz(impl, out, **kw):
     kw.setdefault("max_time", None)
     kw.setdefault("seed", 4)
+    kw.setdefault("minimize", False)          # the search and localization; minimizing is tested on its own
     config = FuzzConfig(impl=impl, out_dir=str(out), report_dir=None, **kw)
     return Fuzzer(config).run()
 
@@ -87,9 +89,42 @@ def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path)
     assert summary["cases_tried"] == report.tried and summary["divergences"][0]["path"] == folder
     assert summary["first_divergence_after_s"] is not None
     # replay: the saved case diverges again, the same way
-    again = Fuzzer(FuzzConfig(impl=spec, max_examples=1, report_dir=None, out_dir=str(tmp_path / "replay")))
-    outcome = again.examine(case)
+    outcome = replay(case, spec)
     assert outcome.verdicts[spec].status == record["verdicts"][spec]["status"]
+
+
+def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path, monkeypatch):
+    """Localization and minimization re-examine cases (with stages, with features switched off, as shrink
+    candidates); each distinct case still gets one oracle evaluation at its inputs and one baseline evaluation.
+    The campaign also writes what `ssdiff fuzz` writes: the finding minimized, with its repro.py."""
+    from harness import examine, oracle
+
+    made, truths, baselines = {}, {}, {}
+    materialize, evaluate, evaluate_samples = examine.materialize, oracle.evaluate, examine.baseline.evaluate_samples
+
+    def counted_materialize(case, device):
+        made[case] = materialize(case, device)
+        return made[case]
+
+    def counted_evaluate(case, inputs, *args, **kw):
+        if made.get(case) is inputs:                  # at the case's own inputs, not a neighbour's
+            truths[case] = truths.get(case, 0) + 1
+        return evaluate(case, inputs, *args, **kw)
+
+    def counted_samples(case, *args, **kw):
+        baselines[case] = baselines.get(case, 0) + 1
+        return evaluate_samples(case, *args, **kw)
+
+    monkeypatch.setattr(examine, "materialize", counted_materialize)
+    monkeypatch.setattr(oracle, "evaluate", counted_evaluate)
+    monkeypatch.setattr(examine.baseline, "evaluate_samples", counted_samples)
+    report = fuzz("harness.doubles:mask_bug", tmp_path, max_examples=300, pass_="forward", dtypes=("float32",),
+                  minimize=True, minimize_runs=40)
+    finding = only_finding(report)
+    assert finding.minimized is not None, finding.minimize_problem
+    assert len(truths) > report.tried            # localization and minimization examined more cases
+    assert max(truths.values()) == 1 and max(baselines.values()) == 1 and set(truths) == set(baselines)
+    assert {"minimized.json", "minimized-verdict.json", "repro.py"} <= set(os.listdir(finding.path))
 
 
 def test_the_oracle_is_said_to_agree_with_the_correct_side_and_the_seed_bug_is_localized(tmp_path):

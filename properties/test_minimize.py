@@ -13,7 +13,7 @@ import pytest
 
 from harness.case import Case, Regime
 from harness.cli import main
-from harness.fuzz import FuzzConfig, Fuzzer
+from harness.examine import Examiner
 from harness.localize import stages
 from harness.minimize import minimize
 
@@ -29,10 +29,10 @@ def _run_repro(path: Path, extra_path: str = "") -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def seed_minimized(tmp_path_factory):
+def seed_minimized(tmp_path_factory, device):
     out = tmp_path_factory.mktemp("seed")
     (out / "case.json").write_text(SEED_START.to_json())
-    return minimize(SEED_START, *SEED_PAIR, device="cpu", out_dir=out)
+    return minimize(SEED_START, *SEED_PAIR, device=device, out_dir=out)
 
 
 def test_seed_divergence_minimizes_to_a_tiny_grouped_case(seed_minimized):
@@ -65,9 +65,9 @@ def test_seed_repro_fails_until_the_upstream_fix(seed_minimized, tmp_path):
     assert "no divergence: fixed" in after.stdout
 
 
-def test_replay_reproduces_the_stored_verdict(seed_minimized, capsys):
+def test_replay_reproduces_the_stored_verdict(seed_minimized, device, capsys):
     code = main(["replay", str(seed_minimized.out_dir / "minimized.json"), "--impl", SEED_PAIR[0], "--against",
-                 SEED_PAIR[1], "--device", "cpu"])
+                 SEED_PAIR[1], "--device", device])
     out = capsys.readouterr().out
     assert code == 1 and "reproduces the stored verdict exactly" in out
 
@@ -82,19 +82,18 @@ PLANTED = [
 
 
 @pytest.mark.parametrize("spec, start", PLANTED, ids=[p[0].split(":")[1] for p in PLANTED])
-def test_planted_bugs_minimize_to_the_same_stage(spec, start, tmp_path, capsys):
-    fuzzer = Fuzzer(FuzzConfig(impl=spec, device="cpu", max_time=None, max_examples=1, report_dir=None,
-                               localize=False))
-    before = stages(fuzzer.examine(start, want_stages=True).verdicts[spec])["first"]
-    assert before is not None, "the planted bug must diverge on the starting case"
-    result = minimize(start, spec, device="cpu", out_dir=tmp_path)
-    after = stages(fuzzer.examine(result.minimal, want_stages=True).verdicts[spec])["first"]
+def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, capsys):
+    with Examiner([spec], device) as examiner:
+        before = stages(examiner.examine(start, stages=True).verdicts[spec])["first"]
+        assert before is not None, "the planted bug must diverge on the starting case"
+        result = minimize(start, spec, device=device, out_dir=tmp_path)
+        after = stages(examiner.examine(result.minimal, stages=True).verdicts[spec])["first"]
     assert after == before
     assert result.minimal.seqlen <= start.seqlen and result.minimal.nheads <= start.nheads
     assert result.minimal != start
     run = _run_repro(result.repro_path, extra_path=str(Path(__file__).resolve().parents[1]))
     assert run.returncode == 1, run.stdout + run.stderr
-    assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", "cpu"]) == 1
+    assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", device]) == 1
     assert "reproduces the stored verdict exactly" in capsys.readouterr().out
 
 

@@ -94,6 +94,7 @@ def fuzz_once(root: pathlib.Path, name: str, **config) -> SavedRun:
     with FileLock(str(root / f"{name}.lock")):
         marker = root / f"{name}.page"
         if not marker.exists():
+            config.setdefault("minimize", False)     # the page of what the search found; minimized files: below
             report = Fuzzer(FuzzConfig(out_dir=str(root / name), report_dir=str(root / "reports"), **config)).run()
             assert report.report_path, "the fuzz run wrote no report"
             marker.write_text(report.report_path)

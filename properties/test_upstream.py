@@ -83,7 +83,7 @@ from harness import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness.autodiff import differentiate  # noqa: E402
+from harness.evaluation import differentiate  # noqa: E402
 from harness.case import Case, Regime, features  # noqa: E402
 from harness.impls import all_implementations, get  # noqa: E402
 from harness.impls.generic import CallableImplementation  # noqa: E402

@@ -15,7 +15,7 @@ from hypothesis import given
 
 from harness import baseline, doubles
 from harness.case import Case, Regime
-from harness.impls.base import Outputs
+from harness.evaluation import Evaluation
 from harness.inputs import materialize
 from harness.localize import fit_case
 from harness.oracle import evaluate
@@ -32,7 +32,7 @@ RICH = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_
 def prepared(case: Case):
     inputs = materialize(case)
     truth = evaluate(case, inputs)
-    return inputs, truth, baseline.evaluate_samples(case, inputs, truth=truth)
+    return inputs, truth, baseline.evaluate_samples(case, inputs, truth, evaluate)
 
 
 def y_of(case, inputs, truth, bases, actual):
@@ -56,7 +56,7 @@ def test_the_oracles_are_far_within_each_others_budget(other):
     case = RICH.replace(segments=((5, 8, 8), (3, 10, 8)), padding=None, dtype="float32")
     inputs, truth, bases = prepared(case)
     ev = evaluate(case, inputs, other)
-    verdict = judge(other, case, inputs, Outputs(ev.outputs, ev.grads, ev.stages), truth, bases, stages=True)
+    verdict = judge(other, case, inputs, ev, truth, bases, stages=True)
     assert verdict.ok and verdict.ratio < 1e-3, verdict.message()
 
 
@@ -116,7 +116,7 @@ def test_shape_dtype_and_missing_results_are_mismatches():
     wrong_dtype = y_of(case, inputs, truth, bases, y.to(torch.float32))
     assert wrong_dtype.status == "mismatch" and "dtype float32, expected float16" in wrong_dtype.detail
     assert y_of(case, inputs, truth, bases, y.to(torch.float16)).status == "ok"
-    out = Outputs(outputs={"y": y.to(torch.float16)})          # final_states missing
+    out = Evaluation(outputs={"y": y.to(torch.float16)})          # final_states missing
     verdict = judge("impl", case, inputs, out, truth, bases)
     assert verdict.status == "mismatch"
     assert verdict.tensor("final_states").detail.startswith("missing")
@@ -239,8 +239,8 @@ def test_a_baseline_exact_by_chance_is_widened_by_its_neighbours():
     inputs = materialize(case)
     truth = evaluate(case, inputs)
     out = impl.run(case, inputs)
-    narrow = baseline.evaluate_samples(case, inputs, neighbours=0, truth=truth)
-    wide = baseline.evaluate_samples(case, inputs, truth=truth)
+    narrow = baseline.evaluate_samples(case, inputs, truth, neighbours=0)
+    wide = baseline.evaluate_samples(case, inputs, truth, evaluate)
     assert len(wide) == len(narrow) + baseline.NEIGHBOURS
     without = judge(impl.name, case, inputs, out, truth, narrow)
     assert not without.ok and without.ratio > 2, without.message()          # the false alarm, as found

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.impls.base import Capabilities, Implementation
 
 BUILTIN_MODULES = ("harness.impls.oracles", "harness.impls.mamba_ssm", "harness.impls.fla",
                    "harness.impls.ssdiff_triton")
@@ -67,5 +67,5 @@ def get(name: str) -> Implementation:
     raise UnknownImplementation(f"unknown implementation {name!r} (known: {known}; or give module:function)")
 
 
-__all__ = ["Capabilities", "Implementation", "Outputs", "register", "get", "all_implementations",
+__all__ = ["Capabilities", "Implementation", "register", "get", "all_implementations",
            "UnknownImplementation"]

@@ -3,19 +3,19 @@
 An adapter subclasses `Implementation` and writes `forward(case, tensors, inputs)`, which calls the code under
 test and returns its outputs (and, when it can, stage intermediates in the layout of
 harness/oracle/result.py). The shared `run` does the rest: builds native tensors in the case's layout,
-differentiates for backward cases, and collects everything into `Outputs`. A case outside the capabilities is
+differentiates for backward cases, and collects everything into an `Evaluation` (harness/evaluation.py). A case outside the capabilities is
 skipped with the reason (`Implementation.skip_reason`), never reshaped to fit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from harness.autodiff import differentiate
 from harness.case import Case, features
+from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
 
 
@@ -32,17 +32,6 @@ class Capabilities:
     unsupported: frozenset = frozenset()
     stages: tuple = ()
     limits: tuple = ()
-
-
-@dataclass
-class Outputs:
-    """outputs: "y", "final_states", "varlen_states" (as the case asks); grads: input name -> gradient;
-    stages: stage name -> tensor; notes: facts a verdict must repeat (e.g. a CPU stand-in was used)."""
-
-    outputs: dict
-    grads: dict = field(default_factory=dict)
-    stages: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
 
 
 class Implementation:
@@ -86,21 +75,15 @@ class Implementation:
                 return why
         return None
 
-    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
         """Call the code under test on ``tensors`` (native dtypes, the case's layout). When ``want_stages``,
-        also fill ``Outputs.stages`` with whatever stage intermediates it can expose (oracle layout)."""
+        also fill ``Evaluation.stages`` with whatever stage intermediates it can expose (oracle layout)."""
         raise TypeError(f"{type(self).__name__} must define forward() or run()")
 
-    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
         """Forward (and for backward cases, gradients of every differentiable input)."""
         tensors = inputs.native(requires_grad=case.backward)
-        with torch.set_grad_enabled(case.backward):
-            out = self.forward(case, tensors, inputs, want_stages)
-        if case.backward:
-            out.grads = differentiate(case, inputs, tensors, out.outputs)
-            out.outputs = {k: v.detach() for k, v in out.outputs.items()}
-            out.stages = {k: v.detach() for k, v in out.stages.items()}
-        return out
+        return evaluate_graph(case, inputs, tensors, lambda: self.forward(case, tensors, inputs, want_stages))
 
 
 def limit(check: Callable[[Case], bool], reason: str) -> Callable[[Case], Optional[str]]:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from harness import runtime, upstream
 from harness.case import Case
 from harness.impls import register
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.evaluation import Evaluation
+from harness.impls.base import Capabilities, Implementation
 from harness.inputs import Inputs
 
 NO_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
@@ -118,7 +119,7 @@ class FlaImplementation(Implementation):
         """Run the fla function: returns (o (B, T, H, V), final state (N, H, K, V))."""
         raise TypeError(f"{type(self).__name__} must define call()")
 
-    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
         t = tensors
         b, L, h, p = t["x"].shape
         n = t["B"].shape[-1]
@@ -162,7 +163,7 @@ class FlaImplementation(Implementation):
             real = [i for i, is_real in enumerate(plan.real) if is_real]
             outputs["varlen_states"] = final[real].float().transpose(-1, -2)
         rel = upstream.fla()
-        return Outputs(outputs=outputs, notes=[f"{rel.label}: simple_gla with the SSD mapping of SPEC.md 5"])
+        return Evaluation(outputs=outputs, notes=[f"{rel.label}: simple_gla with the SSD mapping of SPEC.md 5"])
 
 
 def hopper_backward_refused(device: str) -> bool:

@@ -19,7 +19,8 @@ import inspect
 from typing import Optional
 
 from harness import runtime, upstream
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.evaluation import Evaluation
+from harness.impls.base import Capabilities, Implementation
 
 # parameter -> the harness.case.features() names it is needed for
 FEATURE_PARAMS = {
@@ -119,4 +120,4 @@ class CallableImplementation(Implementation):
             outputs["varlen_states"] = result.pop(0)
         if case.backward and not outputs["y"].requires_grad:
             raise TypeError(f"{self.target} returned an output that does not require grad: it has no backward")
-        return Outputs(outputs=outputs, notes=[f"generic adapter around {self.target}"])
+        return Evaluation(outputs=outputs, notes=[f"generic adapter around {self.target}"])

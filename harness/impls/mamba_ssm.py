@@ -12,7 +12,7 @@
 
 mamba_ssm is loaded without its package __init__ by harness.upstream (2.0.0 and 2.0.1 are broken as shipped and
 reported unavailable); where causal_conv1d or selective_scan_cuda is missing a float64-checked torch stand-in
-runs in its place and `Outputs.notes` says so. What a release can express is detected from it (signatures,
+runs in its place and `Evaluation.notes` says so. What a release can express is detected from it (signatures,
 source, release number for seq_idx = -1 padding), and a case outside that is skipped with the reason. Nothing is
 reshaped to fit: an adapter only maps the Case's tensors onto the upstream call's arguments.
 
@@ -35,7 +35,8 @@ import torch
 from harness import runtime, upstream
 from harness.case import Case
 from harness.impls import register
-from harness.impls.base import Capabilities, Implementation, Outputs, limit
+from harness.evaluation import Evaluation
+from harness.impls.base import Capabilities, Implementation, limit
 from harness.inputs import draw
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
@@ -215,7 +216,7 @@ class ChunkScanCombined(MambaImplementation):
             stages = scan_stages(rel, case, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t.get("D"), z=t.get("z"),
                                  dt_bias=t.get("dt_bias"), initial_states=t.get("initial_states"),
                                  seq_idx=inputs.seq_idx)
-        return Outputs(outputs=outputs, stages=stages, notes=self.notes())
+        return Evaluation(outputs=outputs, stages=stages, notes=self.notes())
 
 
 # ---- mamba_chunk_scan and ssd_chunk_scan_combined_ref ----------------------------------------------------
@@ -269,7 +270,7 @@ class ChunkScan(MambaImplementation):
         t = tensors
         y = fn(t["x"], t["dt"], t["A"], t["B"], t["C"], case.chunk_size, D=t.get("D"), z=t.get("z"),
                dt_bias=t.get("dt_bias"), dt_softplus=case.dt_softplus)
-        return Outputs(outputs={"y": y}, notes=self.notes())
+        return Evaluation(outputs={"y": y}, notes=self.notes())
 
 
 class ChunkScanRef(ChunkScan):
@@ -342,7 +343,7 @@ class SsdMinimal(MambaImplementation):
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = final
-        return Outputs(outputs=outputs, notes=self.notes())
+        return Evaluation(outputs=outputs, notes=self.notes())
 
 
 # ---- the fused mixer: mamba_split_conv1d_scan_combined and _ref -------------------------------------------
@@ -393,7 +394,7 @@ class SplitConv1dCombined(MambaImplementation):
                     norm_before_gate=case.norm_before_gate)
         outputs = {"y": result[0], "final_states": result[1]} if case.return_final_states else {"y": result}
         stages = self._stages(rel, case, t, inputs) if want_stages else {}
-        return Outputs(outputs=outputs, stages=stages, notes=self.notes())
+        return Evaluation(outputs=outputs, stages=stages, notes=self.notes())
 
     def _stages(self, rel, case, t, inputs):
         """conv (through the same causal_conv1d call the mixer makes) and the scan stages on its x, B, C."""
@@ -439,7 +440,7 @@ class SplitConv1dRef(MambaImplementation):
                    rmsnorm_weight=t.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
                    outproj_weight=t.get("outproj_weight"), outproj_bias=t.get("outproj_bias"), headdim=case.headdim,
                    ngroups=case.ngroups, norm_before_gate=case.norm_before_gate)
-        return Outputs(outputs={"y": y}, stages=stages, notes=self.notes())
+        return Evaluation(outputs={"y": y}, stages=stages, notes=self.notes())
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from harness import oracle
 from harness.case import Case
+from harness.evaluation import Evaluation
 from harness.impls import register
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.impls.base import Capabilities, Implementation
 from harness.inputs import Inputs
 
 DESCRIPTIONS = {
@@ -26,9 +27,8 @@ class OracleImplementation(Implementation):
         self.name = name
         self.description = DESCRIPTIONS[name]
 
-    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Outputs:
-        ev = oracle.evaluate(case, inputs, self.name)
-        return Outputs(outputs=ev.outputs, grads=ev.grads, stages=ev.stages)
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
+        return oracle.evaluate(case, inputs, self.name)
 
 
 for _name in oracle.ORACLES:

@@ -15,7 +15,8 @@ import torch
 from harness import runtime
 from harness.case import Case
 from harness.impls import register
-from harness.impls.base import Capabilities, Implementation, Outputs
+from harness.evaluation import Evaluation
+from harness.impls.base import Capabilities, Implementation
 from harness.inputs import Inputs
 
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
@@ -41,7 +42,7 @@ class SsdiffTriton(Implementation):
             return f"{self.name}: {why}"
         return super().skip_reason(case, device)
 
-    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Outputs:
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
         runtime.configure()
         if case.entry == "chunk_scan":
             return self._chunk_scan(case, tensors, inputs, want_stages)
@@ -66,7 +67,7 @@ class SsdiffTriton(Implementation):
             stages = scan_stages(case, t["x"], t["dt"], t["A"], t["B"], t["C"], t.get("D"), t.get("z"),
                                  t.get("dt_bias"), t.get("initial_states"), inputs.seq_idx)
             stages["y"] = outputs["y"]
-        return Outputs(outputs=outputs, stages=stages)
+        return Evaluation(outputs=outputs, stages=stages)
 
     def _mixer(self, case, t, inputs, want_stages):
         from kernels.ssd.mixer import ssd_split_conv1d_scan_combined
@@ -89,7 +90,7 @@ class SsdiffTriton(Implementation):
             stages.update(scan_stages(case, x, dt, t["A"], B, C, t["D"], z, t["dt_bias"], t.get("initial_states"),
                                       inputs.seq_idx, dt_softplus=True))
             stages["y"] = y
-        return Outputs(outputs=outputs, stages=stages, notes=[
+        return Evaluation(outputs=outputs, stages=stages, notes=[
             "ssdiff.triton split_conv1d: conv1d, gated RMSNorm and out_proj run in torch; the scan in Triton"])
 
 

@@ -9,13 +9,12 @@ They share no code with any kernel they judge, nor with each other's scan. `eval
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from harness.autodiff import differentiate
 from harness.case import Case
+from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
 from harness.oracle import chunked, mixer, quadratic, recurrent
 from harness.oracle.result import STAGE_ORDER, Result
@@ -24,16 +23,6 @@ SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.
 MIXER_STYLE = {"ref.recurrent": "loop", "ref.quadratic": "vectorized", "ref.chunked": "vectorized"}
 ORACLES = tuple(SCANS)
 DEFAULT_ORACLE = "ref.chunked"
-
-
-@dataclass
-class Evaluation:
-    """Outputs of one evaluation, float64. ``outputs``: "y", "final_states", "varlen_states" (as present);
-    ``grads``: input name -> gradient (backward cases); ``stages``: stage name -> tensor."""
-
-    outputs: dict
-    grads: dict = field(default_factory=dict)
-    stages: dict = field(default_factory=dict)
 
 
 def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) -> Result:
@@ -58,21 +47,18 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
 def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluation:
     """Evaluate oracle ``name`` on ``case``: outputs, stages, and (backward cases) input gradients."""
     tensors = inputs.float64(requires_grad=case.backward)
-    with torch.set_grad_enabled(case.backward):
+
+    def forward() -> Evaluation:
         res = call(name, case, tensors, inputs.seq_idx)
-    outputs = {"y": res.y}
-    if case.return_final_states:
-        outputs["final_states"] = res.final_states
-    if case.varlen_states:
-        outputs["varlen_states"] = res.varlen_states
-    stages = dict(res.stages)
-    stages["y"] = res.y
-    grads = {}
-    if case.backward:
-        grads = differentiate(case, inputs, tensors, outputs)
-        outputs = {k: v.detach() for k, v in outputs.items()}
-        stages = {k: v.detach() for k, v in stages.items()}
-    return Evaluation(outputs=outputs, grads=grads, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
+        outputs = {"y": res.y}
+        if case.return_final_states:
+            outputs["final_states"] = res.final_states
+        if case.varlen_states:
+            outputs["varlen_states"] = res.varlen_states
+        stages = {**res.stages, "y": res.y}
+        return Evaluation(outputs, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
+
+    return evaluate_graph(case, inputs, tensors, forward)
 
 
 __all__ = ["ORACLES", "DEFAULT_ORACLE", "Evaluation", "evaluate", "call", "Result", "STAGE_ORDER"]

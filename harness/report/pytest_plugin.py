@@ -3,7 +3,7 @@
 Registered from the repository's conftest.py. With the option, every verdict a property reaches through
 `harness.verdict.judge` is seen (`harness.verdict.JUDGE_LISTENERS`); when a test fails, the last diverging
 verdict of that test is saved as a divergence (Hypothesis replays its shrunk falsifying example last, so that
-is the one saved): case.json, verdict.json, message.txt, error_maps.json, exactly as `ssdiff fuzz` writes them.
+is the one saved), with its stage localization, through harness/store.py as `ssdiff fuzz` saves its own.
 At the end of the session the run is written to ROOT/pytest-<time>/ (the saved run under run/, the page as
 index.html) and ROOT/index.html is rebuilt. ROOT defaults to $SSDIFF_REPORTS, else reports/.
 
@@ -17,7 +17,6 @@ are counted apart and kept out of the largest ratio seen. Not supported with pyt
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import pathlib
@@ -159,39 +158,29 @@ class Recorder:
             self.worst_by_side[key] = item
 
     def _save(self, nodeid: str, case, verdict, report):
-        from harness import runtime
-        from harness.report.maps import error_maps, jsonable
+        from harness import localize, runtime, store
 
         number = len(self.divergences) + 1
-        folder = self.run_dir / f"divergence-{number:03d}"
-        folder.mkdir(parents=True, exist_ok=True)
         crash = getattr(report.longrepr, "reprcrash", None)
         failure = crash.message if crash is not None else str(report.longrepr)[-2000:]
         message = f"{verdict.message()}\n\nfound by {nodeid}\n{failure}"
-        record = {
-            "case": case.to_dict(), "case_description": case.describe(), "device": self._device(),
-            "runtime": runtime.describe(), "oracle": "float64 oracle", "origin": f" by {nodeid}",
-            "verdicts": {verdict.impl: verdict.to_dict()}, "message": message,
-        }
-        (folder / "case.json").write_text(case.to_json() + "\n", encoding="utf-8")
-        (folder / "verdict.json").write_text(json.dumps(jsonable(record), indent=2) + "\n", encoding="utf-8")
-        (folder / "message.txt").write_text(message + "\n", encoding="utf-8")
-        (folder / "error_maps.json").write_text(json.dumps(jsonable(error_maps(case, {verdict.impl: verdict})))
-                                                + "\n", encoding="utf-8")
+        staged = any(t.kind == "stage" for t in verdict.tensors)
+        localization = {"per_side": {verdict.impl: {"stages": localize.stages(verdict)}}} if staged else {}
+        folder = store.write_divergence(store.divergence_folder(self.run_dir, number), case, {verdict.impl: verdict},
+                                        message, localization, device=self._device(), runtime=runtime.describe(),
+                                        oracle="float64 oracle", origin=f" by {nodeid}")
         signature = f"{verdict.impl}: {verdict.status}" + (
             f" in {', '.join(sorted(t.name for t in verdict.failing if t.kind != 'stage'))}" if verdict.failing else "")
         self.divergences.append({"number": number, "path": str(folder), "signature": signature, "test": nodeid,
                                  "case": case.describe(), "summary": verdict.message()})
 
     def _write_summary(self, session):
-        from harness import runtime
+        from harness import runtime, store
         from harness.report.environment import environment
-        from harness.report.maps import jsonable
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         o = self.outcomes
         args = " ".join(str(a) for a in self.config.invocation_params.args)
-        summary = {
+        store.write_summary(self.run_dir, {
             "run_name": self.name, "impl": f"pytest {args}".strip(), "against": "float64 oracle",
             "device": self._device(),
             "runtime": runtime.describe(), "cases_tried": self.judged,
@@ -202,5 +191,4 @@ class Recorder:
             "divergences": self.divergences, "python": platform.python_version(), "platform": platform.platform(),
             "environment": environment(self._device()), "exit_status": int(session.exitstatus),
             "cwd": os.getcwd(),
-        }
-        (self.run_dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=2) + "\n", encoding="utf-8")
+        })

@@ -1,10 +1,8 @@
 """Render a saved run (a fuzz output directory, or the one the pytest plugin writes) as one self-contained HTML
 page, and the index of every run under a reports folder.
 
-A saved run is a directory with summary.json and one folder per divergence (divergence-NNN/) holding
-case.json, verdict.json, message.txt and, when they were written, error_maps.json (the verdict's error maps,
-harness/report/maps.py), minimized.json and repro.py (`ssdiff minimize`). Nothing else is read, so a run
-renders again anywhere, later: `ssdiff report DIR`.
+A saved run (harness/store.py reads it) renders again anywhere, later: `ssdiff report DIR`. The page shows what
+the run stored — verdicts, localization, error maps, the minimized case and repro.py — and derives nothing.
 
     page = render_run("ssdiff-out/fuzz-20250101-120000")      # -> reports/fuzz-20250101-120000/index.html
 
@@ -24,13 +22,12 @@ from typing import Optional
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from harness.case import Case, CaseError
+from harness.store import RunError, read_run
 from harness.oracle.result import STAGE_ORDER
 
 MAX_GRADIENT_MAPS = 4          # per side and divergence: the worst diverging gradients get a heatmap
 # Inline images of one page, shared equally by its divergences (the 5 MB page limit, less room for text).
 FIGURE_BUDGET = 3_500_000
-MINIMIZED_NAMES = ("minimized.json",)
-REPRO_NAMES = ("repro.py",)
 RUN_RECORD = "run.json"
 # summary.json entries shown in the page's run table, in this order
 SETTINGS = ("impl", "against", "entry", "pass", "dtypes", "autotune", "isolate", "seed", "max_time_s", "max_examples",
@@ -40,63 +37,6 @@ SETTINGS = ("impl", "against", "entry", "pass", "dtypes", "autotune", "isolate",
 def default_reports_root() -> str:
     """Where reports go unless told: $SSDIFF_REPORTS, else reports/ (relative to the working directory)."""
     return os.environ.get("SSDIFF_REPORTS") or "reports"
-
-
-# ---- reading a saved run ---------------------------------------------------------------------------------
-
-def _read_json(path: pathlib.Path):
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
-
-
-def _read_optional(folder: pathlib.Path, names) -> tuple:
-    for name in names:
-        path = folder / name
-        if path.is_file():
-            return name, path.read_text(encoding="utf-8")
-    return None, None
-
-
-class RunError(ValueError):
-    """The directory is not a saved run; the message says what is missing, on one line."""
-
-
-def load_run(run_dir) -> dict:
-    """Read a saved run: {"dir", "summary", "divergences": [{folder, number, case, verdict, message, maps,
-    minimized, repro, files}]}."""
-    run = pathlib.Path(run_dir)
-    if not run.is_dir():
-        raise RunError(f"{run_dir}: not a directory")
-    folders = sorted(p for p in run.iterdir() if p.is_dir() and p.name.startswith("divergence-"))
-    summary_path = run / "summary.json"
-    if not summary_path.is_file() and not folders:
-        raise RunError(f"{run_dir}: not a saved run (no summary.json and no divergence-*/ folders)")
-    summary = _read_json(summary_path) if summary_path.is_file() else {}
-    divergences = []
-    for folder in folders:
-        item = {"folder": str(folder.resolve()), "name": folder.name, "files": sorted(p.name for p in folder.iterdir())}
-        try:
-            item["number"] = int(folder.name.split("-", 1)[1])
-        except ValueError:
-            item["number"] = len(divergences) + 1
-        item["verdict"] = _read_json(folder / "verdict.json") if (folder / "verdict.json").is_file() else {}
-        if (folder / "case.json").is_file():
-            item["case"] = _read_json(folder / "case.json")
-        else:
-            item["case"] = item["verdict"].get("case")
-        item["message"] = (folder / "message.txt").read_text(encoding="utf-8") if (folder / "message.txt").is_file() \
-            else item["verdict"].get("message", "")
-        item["maps"] = _read_json(folder / "error_maps.json") if (folder / "error_maps.json").is_file() else None
-        name, text = _read_optional(folder, MINIMIZED_NAMES)
-        item["minimized_file"], item["minimized"] = name, None
-        if text is not None:
-            data = json.loads(text)
-            item["minimized"] = data.get("case", data) if isinstance(data, dict) and "entry" not in data else data
-            item["minimized_record"] = data
-        item["repro_file"], item["repro"] = _read_optional(folder, REPRO_NAMES)
-        divergences.append(item)
-    return {"dir": str(run.resolve()), "summary": summary, "divergences": divergences,
-            "mtime": summary_path.stat().st_mtime if summary_path.is_file() else run.stat().st_mtime}
 
 
 # ---- numbers in words ------------------------------------------------------------------------------------
@@ -219,19 +159,11 @@ def _tensor_rows(verdict: dict) -> list:
     return rows
 
 
-def _stage_table(side_loc: dict, verdict: dict) -> Optional[dict]:
-    """From the localization (fuzz), else from stage verdicts judged alongside (properties)."""
+def _stage_table(side_loc: dict) -> Optional[dict]:
+    """The localization's stage result as table rows (None when the run stored none)."""
     stages = (side_loc or {}).get("stages")
     if stages is None:
-        judged = {t["name"][len("stage."):]: t for t in verdict.get("tensors", []) if t.get("kind") == "stage"}
-        exposed = [s for s in STAGE_ORDER if s in judged and s != "y"]
-        if not exposed:
-            return None
-        first = next((s for s in exposed if judged[s].get("status") != "ok"), None)
-        stages = {"first": first, "exposed": exposed, "ratios": {s: judged[s].get("ratio") for s in exposed},
-                  "inherit": [s for s in exposed[exposed.index(first) + 1:] if judged[s].get("status") != "ok"]
-                  if first else [], "inferred": False,
-                  "text": f"first divergent stage: {first}" if first else "every exposed stage is within budget"}
+        return None
     from harness.localize import STAGE_WORDS
 
     first, exposed = stages.get("first"), stages.get("exposed") or []
@@ -369,7 +301,7 @@ def _divergence(item: dict, run_summary: dict, figure_bytes: int) -> dict:
     sides = []
     for name, v in (verdict.get("verdicts") or {}).items():
         side_loc = per_side.get(name) or {}
-        table = _stage_table(side_loc, v) if v.get("status") != "ok" else None
+        table = _stage_table(side_loc) if v.get("status") != "ok" else None
         first_stage = table["first"] if table and not table["inferred"] else None
         sides.append({
             "name": name, "status": v.get("status", ""), "ratio_text": fmt_ratio(v.get("ratio")),
@@ -461,7 +393,7 @@ def render_run(run_dir, reports_root=None, name: Optional[str] = None, output=No
     """Render the saved run ``run_dir`` to ``output`` (default: <reports_root>/<name>/index.html, name = the
     summary's run_name, else the run directory's name), write run.json beside it and, with ``index``, rebuild
     <reports_root>/index.html."""
-    run = load_run(run_dir)
+    run = read_run(run_dir)
     name = name or run["summary"].get("run_name") or run_name(run_dir)
     root = pathlib.Path(reports_root or default_reports_root())
     target = pathlib.Path(output) if output is not None else root / name / "index.html"
@@ -489,7 +421,7 @@ def render_index(reports_root=None) -> pathlib.Path:
     runs = []
     for record_path in sorted(root.glob(f"*/{RUN_RECORD}")):
         try:
-            record = _read_json(record_path)
+            record = json.loads(record_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
         record["href"] = f"{record_path.parent.name}/index.html"
@@ -506,5 +438,5 @@ def render_index(reports_root=None) -> pathlib.Path:
     return target
 
 
-__all__ = ["load_run", "build_page", "render_run", "render_index", "default_reports_root", "RunError",
+__all__ = ["build_page", "render_run", "render_index", "default_reports_root", "RunError",
            "fmt_ratio", "fmt_num"]

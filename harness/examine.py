@@ -1,0 +1,255 @@
+"""Examining one case: its inputs built once, the oracle's truth and the same-precision baseline evaluated once,
+every side run on those inputs and judged, the two sides compared.
+
+    examiner = Examiner(["mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"], device="cpu")
+    outcome = examiner.examine(case)            # verdicts, outputs, and the inputs, truth and baseline used
+    same_divergence(outcome, examiner.examine(smaller_case))
+
+The fuzz campaign, localization, minimization and replay all examine through an Examiner, so a case examined
+again — with stage intermediates, under another autotune config, as a minimization candidate seen before —
+reuses its evidence instead of evaluating the oracle and the baseline
+again. Evidence is kept, most recent first, up to EVIDENCE_BYTES (at least the last two cases whatever their
+size): every case of a campaign's localization and minimization fits at the CPU's sizes, and a production-size
+case on a GPU is evaluated again rather than held. `same_divergence` is the one rule for "is this still the
+divergence we had".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from harness import baseline, oracle
+from harness.case import Case
+from harness.evaluation import Evaluation
+from harness.inputs import Inputs, materialize
+from harness.isolate import InProcessRunner, IsolatedRunner, resolve
+from harness.verdict import FACTOR, RUN_FAILURES, disagreement, failed_run, judge, severity
+
+EVIDENCE_BYTES = 1 << 30
+
+
+@dataclass
+class Evidence:
+    """What every side of one case is judged against: its inputs, the oracle's truth, the baseline samples."""
+
+    inputs: Inputs
+    truth: Evaluation
+    baseline: list
+
+    def nbytes(self) -> int:
+        tensors = list(self.inputs.values.values())
+        for ev in [self.truth, *self.baseline]:
+            tensors += [*ev.outputs.values(), *ev.grads.values(), *ev.stages.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class Outcome:
+    """One case examined: each side's verdict (and outputs), the pair's disagreement (two sides), the autotune
+    choice and launches, and the evidence they were judged against."""
+
+    case: Case
+    choice: object
+    verdicts: dict
+    outputs: dict
+    launches: dict
+    evidence: Evidence
+    pair: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def inputs(self) -> Inputs:
+        return self.evidence.inputs
+
+    @property
+    def truth(self) -> Evaluation:
+        return self.evidence.truth
+
+    @property
+    def baseline(self) -> list:
+        return self.evidence.baseline
+
+    @property
+    def diverged(self) -> bool:
+        return any(not v.ok for v in self.verdicts.values())
+
+    @property
+    def failing(self) -> dict:
+        return {side: v for side, v in self.verdicts.items() if not v.ok}
+
+    def signature(self) -> tuple:
+        """Which side fails, how, and in which tensors: divergences with one signature are one bucket."""
+        return tuple((side, v.status, tuple(sorted(failing_tensors(v)))) for side, v in self.failing.items())
+
+    def worst_ratio(self) -> float:
+        finite = [v.ratio for v in self.verdicts.values() if math.isfinite(v.ratio)]
+        return max(finite, default=0.0)
+
+
+def failing_tensors(verdict) -> set:
+    """The outputs and gradients (not stages) a verdict finds out of budget."""
+    return {t.name for t in verdict.failing if t.kind != "stage"}
+
+
+def same_divergence(before: Outcome, after: Outcome, min_ratio: float = 0.0) -> bool:
+    """Whether ``after`` shows the divergence ``before`` showed: every side that failed before fails again with
+    the same status and — unless the run itself failed (error, crash, hang) — in at least one of the same
+    outputs or gradients. With ``min_ratio``, some failing side must also be at least that far over budget (or
+    non-finite)."""
+    strong = min_ratio <= 0
+    for side, was in before.failing.items():
+        now = after.verdicts.get(side)
+        if now is None or now.ok or now.status != was.status:
+            return False
+        if was.status not in RUN_FAILURES and not failing_tensors(was) & failing_tensors(now):
+            return False
+        strong |= not math.isfinite(now.ratio) or now.ratio >= min_ratio
+    return strong
+
+
+class UsageError(ValueError):
+    """The sides cannot run (unknown implementation, not available here, nothing in common, ...): exit status 2."""
+
+
+class Examiner:
+    """Examines cases for a fixed set of sides on one device. ``isolate``: run the sides in a child process
+    (harness/isolate.py; ``timeout`` seconds per run). ``oracle_evaluations`` / ``baseline_evaluations`` count
+    the evidence evaluated (one of each per distinct case while it is kept)."""
+
+    def __init__(self, sides, device: str, oracle_name: str = oracle.DEFAULT_ORACLE, factor: float = FACTOR,
+                 isolate: bool = False, timeout: float = 300.0):
+        self.sides = list(dict.fromkeys(sides))
+        self.device = device
+        self.oracle_name = oracle_name
+        self.factor = factor
+        try:
+            self.impls = {spec: resolve(spec) for spec in self.sides}
+        except KeyError as err:
+            raise UsageError(str(err)) from None
+        for spec, impl in self.impls.items():
+            why = impl.unavailable()
+            if why:
+                raise UsageError(f"{spec} cannot run here: {why}")
+        self.runner = IsolatedRunner(device, timeout) if isolate else InProcessRunner(device)
+        self.oracle_evaluations = 0
+        self.baseline_evaluations = 0
+        self._evidence: OrderedDict = OrderedDict()
+        self._sizes: dict = {}
+
+    def __enter__(self) -> "Examiner":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.runner.close()
+
+    # ---- evidence ----------------------------------------------------------------------------------------
+
+    def oracle_at(self, case: Case, inputs: Inputs) -> Evaluation:
+        """The oracle on ``inputs`` (what the baseline's neighbour samples are measured against)."""
+        return oracle.evaluate(case, inputs, self.oracle_name)
+
+    def evidence(self, case: Case) -> Evidence:
+        """The case's inputs, truth and baseline samples: evaluated on first use, then kept."""
+        found = self._evidence.get(case)
+        if found is not None:
+            self._evidence.move_to_end(case)
+            return found
+        inputs = materialize(case, self.device)
+        self.oracle_evaluations += 1
+        truth = self.oracle_at(case, inputs)
+        self.baseline_evaluations += 1
+        samples = baseline.evaluate_samples(case, inputs, truth, self.oracle_at)
+        found = Evidence(inputs, truth, samples)
+        self._remember(case, found)
+        return found
+
+    def _remember(self, case: Case, evidence: Evidence):
+        if case not in self._evidence:
+            self._sizes[case] = evidence.nbytes()
+        self._evidence[case] = evidence
+        self._evidence.move_to_end(case)
+        while len(self._evidence) > 2 and sum(self._sizes.values()) > EVIDENCE_BYTES:
+            oldest, _ = self._evidence.popitem(last=False)
+            del self._sizes[oldest]
+
+    def keep(self, outcome: Outcome):
+        """Keep ``outcome``'s evidence as the most recent (a case about to be examined again after others)."""
+        self._remember(outcome.case, outcome.evidence)
+
+    # ---- cases -------------------------------------------------------------------------------------------
+
+    def fit(self, case: Case) -> Optional[Case]:
+        """``case`` with what a side cannot express switched off, or None (harness.localize.fit_case)."""
+        from harness.localize import fit_case
+
+        return fit_case(case, list(self.impls.values()), self.device)
+
+    def skip_reasons(self, case: Case) -> list:
+        return [why for why in (impl.skip_reason(case, self.device) for impl in self.impls.values()) if why]
+
+    def examine(self, case: Case, choice="tuned", stages: bool = False, sides=None) -> Outcome:
+        """Run every side (or ``sides``) on ``case`` under autotune ``choice`` and judge each against the oracle;
+        with ``stages``, the stage intermediates too."""
+        start = time.perf_counter()
+        ev = self.evidence(case)
+        sides = list(sides or self.sides)
+        verdicts, outputs, launches = {}, {}, {}
+        for spec in sides:
+            if choice == "sweep":
+                verdicts[spec], outputs[spec], launches[spec] = self._sweep(spec, case, ev, stages)
+                if outputs[spec] is None:
+                    del outputs[spec]
+                continue
+            run = self.runner.run(spec, case, ev.inputs, stages, choice)
+            launches[spec] = run.launches
+            if run.status != "ok":
+                verdicts[spec] = failed_run(spec, run.status, run.detail, run.seconds)
+                continue
+            outputs[spec] = run.outputs
+            verdicts[spec] = judge(spec, case, ev.inputs, run.outputs, ev.truth, ev.baseline, stages=stages,
+                                   factor=self.factor, seconds=run.seconds)
+        pair = {}
+        if len(sides) == 2 and len(outputs) == 2:
+            a, b = (outputs[s] for s in sides)
+            pair = disagreement(case, ev.inputs, a, b, ev.truth, ev.baseline, self.factor)
+        return Outcome(case, choice, verdicts, outputs, launches, ev, pair, time.perf_counter() - start)
+
+    def _sweep(self, spec, case, ev: Evidence, stages: bool):
+        """Every autotune config index of every kernel the run launches; the worst verdict."""
+        worst_v, worst_o, worst_l, index, needed = None, None, [], 0, 1
+        while index < needed:
+            run = self.runner.run(spec, case, ev.inputs, stages, index)
+            if run.status != "ok":
+                return (failed_run(spec, run.status, f"(autotune config index {index}) {run.detail}", run.seconds),
+                        None, run.launches)
+            v = judge(spec, case, ev.inputs, run.outputs, ev.truth, ev.baseline, stages=stages, factor=self.factor,
+                      seconds=run.seconds)
+            v.notes.append(f"autotune config index {index}")
+            if worst_v is None or (severity(v.status), v.ratio) > (severity(worst_v.status), worst_v.ratio):
+                worst_v, worst_o, worst_l = v, run.outputs, run.launches
+            needed = max([needed] + [n for _, _, n, _ in run.launches])
+            index += 1
+        return worst_v, worst_o, worst_l
+
+    def first_stage(self, case: Case, side: str, choice="tuned") -> Optional[str]:
+        """The first divergent stage of ``side`` on ``case``, when measured from stage intermediates (None
+        when it runs out of stages, fails to run, or only an inferred stage is known)."""
+        from harness import localize
+
+        staged = self.examine(case, choice, stages=True, sides=[side]).verdicts[side]
+        if staged.status in RUN_FAILURES:
+            return None
+        found = localize.stages(staged)
+        return found["first"] if not found.get("inferred") else None
+
+
+__all__ = ["Examiner", "UsageError", "Evidence", "Outcome", "same_divergence", "failing_tensors", "EVIDENCE_BYTES"]
