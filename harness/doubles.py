@@ -204,12 +204,7 @@ class LowPrecisionOracle(_Float32Implementation):
 
     def compute(self, case, t, inputs):
         res = oracle.call(self.oracle_name, case, t, inputs.seq_idx)
-        outputs = {"y": res.y}
-        if case.return_final_states:
-            outputs["final_states"] = res.final_states
-        if case.varlen_states:
-            outputs["varlen_states"] = res.varlen_states
-        return outputs, {**res.stages, "y": res.y}
+        return oracle.asked_outputs(case, res), oracle.ordered_stages(res)
 
 
 MISBEHAVIOURS = ("abort", "hang", "raise")

@@ -28,6 +28,18 @@ class Evaluation:
     stages: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
+    @property
+    def y(self):
+        return self.outputs["y"]
+
+    @property
+    def final_states(self):
+        return self.outputs.get("final_states")
+
+    @property
+    def varlen_states(self):
+        return self.outputs.get("varlen_states")
+
     def detached(self) -> "Evaluation":
         detach = lambda d: {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
         return Evaluation(detach(self.outputs), detach(self.grads), detach(self.stages), list(self.notes))

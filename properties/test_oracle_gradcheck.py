@@ -25,7 +25,7 @@ def test_recurrent_oracle_gradients_pass_gradcheck(case):
 
     def f(*leaves):
         res = call("ref.recurrent", case, dict(tensors, **dict(zip(names, leaves))), inputs.seq_idx)
-        return res.y, res.final_states
+        return res.outputs["y"], res.outputs["final_states"]
 
     leaves = tuple(tensors[n].clone().requires_grad_(True) for n in names)
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5, raise_exception=True)

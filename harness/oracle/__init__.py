@@ -17,7 +17,7 @@ from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
 from harness.oracle import chunked, mixer, quadratic, recurrent
-from harness.oracle.result import STAGE_ORDER, Result
+from harness.oracle.result import STAGE_ORDER
 
 SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.chunked": chunked.scan}
 MIXER_STYLE = {"ref.recurrent": "loop", "ref.quadratic": "vectorized", "ref.chunked": "vectorized"}
@@ -25,8 +25,9 @@ ORACLES = tuple(SCANS)
 DEFAULT_ORACLE = "ref.chunked"
 
 
-def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) -> Result:
-    """Run oracle ``name`` on float64 ``tensors`` (as made by Inputs.float64) for ``case``."""
+def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) -> Evaluation:
+    """Run oracle ``name`` on float64 ``tensors`` (as made by Inputs.float64) for ``case``: every output it
+    computes ("y", "final_states", "varlen_states" — None where the case has none) and the stages."""
     scan = SCANS[name]
     if case.entry == "chunk_scan":
         return scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
@@ -50,15 +51,26 @@ def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluati
 
     def forward() -> Evaluation:
         res = call(name, case, tensors, inputs.seq_idx)
-        outputs = {"y": res.y}
-        if case.return_final_states:
-            outputs["final_states"] = res.final_states
-        if case.varlen_states:
-            outputs["varlen_states"] = res.varlen_states
-        stages = {**res.stages, "y": res.y}
-        return Evaluation(outputs, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
+        return Evaluation(asked_outputs(case, res), stages=ordered_stages(res))
 
     return evaluate_graph(case, inputs, tensors, forward)
 
 
-__all__ = ["ORACLES", "DEFAULT_ORACLE", "Evaluation", "evaluate", "call", "Result", "STAGE_ORDER"]
+def asked_outputs(case: Case, res: Evaluation) -> dict:
+    """The outputs of ``res`` that ``case`` asks for: y, and final / varlen states when it returns them."""
+    outputs = {"y": res.outputs["y"]}
+    if case.return_final_states:
+        outputs["final_states"] = res.outputs["final_states"]
+    if case.varlen_states:
+        outputs["varlen_states"] = res.outputs["varlen_states"]
+    return outputs
+
+
+def ordered_stages(res: Evaluation) -> dict:
+    """``res``'s stages and y, in STAGE_ORDER."""
+    stages = {**res.stages, "y": res.outputs["y"]}
+    return {k: stages[k] for k in STAGE_ORDER if k in stages}
+
+
+__all__ = ["ORACLES", "DEFAULT_ORACLE", "Evaluation", "evaluate", "call", "asked_outputs", "ordered_stages",
+           "STAGE_ORDER"]

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from harness.oracle.result import Result
+from harness.evaluation import Evaluation
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -33,7 +33,7 @@ def process_dt(dt, dt_bias, dt_softplus, dt_limit):
 
 
 def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Result:
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Evaluation:
     b, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -122,7 +122,7 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     if z is not None:
         y = y * (z / (1.0 + torch.exp(-z)))
         stages["gated"] = y
-    return Result(y=y, final_states=final, varlen_states=varlen, stages=stages)
+    return Evaluation({"y": y, "final_states": final, "varlen_states": varlen}, stages=stages)
 
 
 def _sequence_end_states(seq, seg, cs_g, dx, B_c, passed, prev_last, Q, L):

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from harness.oracle.result import Result
+from harness.evaluation import Evaluation
 
 
 # ---- loop style ------------------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ STYLES = {"loop": (conv_loop, norm_loop), "vectorized": (conv_vectorized, norm_v
 def mixer(scan, style, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, *, chunk_size, nheads, headdim,
           ngroups, dstate, d_nonssm=0, initial_states=None, seq_idx=None, dt_limit=(0.0, math.inf),
           activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
-          norm_before_gate=True) -> Result:
+          norm_before_gate=True) -> Evaluation:
     """zxbcdt (b, L, 2*d_nonssm + 2*dim + 2*g*n + h), float64. ``scan`` is an oracle's scan function."""
     conv, norm = STYLES[style]
     b, L, _ = zxbcdt.shape
@@ -100,7 +100,7 @@ def mixer(scan, style, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, *, chu
                chunk_size=chunk_size, D=D, z=None if rmsnorm_weight is not None else z_heads, dt_bias=dt_bias,
                dt_softplus=True, dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx)
     stages = {"conv": xBC, **res.stages}
-    y = res.y.flatten(-2)
+    y = res.outputs["y"].flatten(-2)
     if rmsnorm_weight is not None:
         y = norm(y, z, rmsnorm_weight, ngroups, rmsnorm_eps, norm_before_gate)
     if d_nonssm:
@@ -110,4 +110,4 @@ def mixer(scan, style, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, *, chu
         stages["normed"] = y
     if outproj_weight is not None:
         y = F.linear(y, outproj_weight, outproj_bias)
-    return Result(y=y, final_states=res.final_states, varlen_states=res.varlen_states, stages=stages)
+    return Evaluation({**res.outputs, "y": y}, stages=stages)

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from harness.oracle.result import Result
+from harness.evaluation import Evaluation
 
 
 def process_dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -32,7 +32,7 @@ def expand_groups(t, nheads):
 
 
 def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Result:
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Evaluation:
     b, L, h, p = x.shape
     n = B.shape[-1]
     Q = chunk_size
@@ -89,7 +89,7 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     if z is not None:
         y = y * F.silu(z)
         stages["gated"] = y
-    return Result(y=y, final_states=final, varlen_states=varlen, stages=stages)
+    return Evaluation({"y": y, "final_states": final, "varlen_states": varlen}, stages=stages)
 
 
 def _chunk_cumsum(dA, Q):

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from harness.oracle.result import Result
+from harness.evaluation import Evaluation
 
 
 def process_dt(dt_t, dt_bias, dt_softplus, dt_limit):
@@ -43,7 +43,7 @@ def starts_new_sequence(seq_idx, t: int):
 
 
 def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Result:
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None) -> Evaluation:
     """x (b, L, h, p), dt (b, L, h), A (h,), B/C (b, L, g, n), D (h,) or (h, p), z like x, dt_bias (h,),
     initial_states (b, h, p, n), seq_idx (b, L) int. All float64. Returns y (b, L, h, p) and the stages."""
     b, L, h, p = x.shape
@@ -117,7 +117,7 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     varlen = None
     if b == 1 and has_seq_idx and segment_ends:
         varlen = torch.stack([state for _, state in segment_ends])
-    return Result(y=y, final_states=S, varlen_states=varlen, stages=stages)
+    return Evaluation({"y": y, "final_states": S, "varlen_states": varlen}, stages=stages)
 
 
 def _chunk_cb(B, C, Q, nchunks):

@@ -1,4 +1,4 @@
-"""What an oracle evaluation returns, and the names and order of the pipeline stages.
+"""The names and order of the pipeline stages, and their layouts.
 
 Stage tensors use one layout for every implementation (adapters convert theirs into it):
 
@@ -17,21 +17,5 @@ Stage tensors use one layout for every implementation (adapters convert theirs i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
-
-import torch
-
 STAGE_ORDER = ("conv", "dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated",
                "normed", "y")
-
-
-@dataclass
-class Result:
-    """y: the output; final_states (b, h, p, n); varlen_states (nseq, h, p, n) for batch-1 seq_idx runs;
-    stages: stage name -> tensor, in STAGE_ORDER."""
-
-    y: torch.Tensor
-    final_states: Optional[torch.Tensor] = None
-    varlen_states: Optional[torch.Tensor] = None
-    stages: dict = field(default_factory=dict)
