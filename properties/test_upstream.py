@@ -47,14 +47,6 @@ Known upstream divergences are kept as strict expected failures, never hidden by
 - mamba_chunk_scan's backward takes d(dA_cumsum) from a difference its authors call numerically unstable
   (in bf16 at typical decay too: d(dt) 0.251 relative RMS on an H200, 32 bf16 epsilons: the bf16 backward pass
   of mamba_chunk_scan is refused with that reason).
-The first H200 run of this file (2026-11-30, dev profile, -n 8, cut at 225 s after 61 of 88 tests) found the
-three above and two harness faults, both fixed: a forced autotune config that does not fit the GPU's shared
-memory (mamba's config 0 in fp32) now passes to the next config (harness.runtime), and fla's refused Hopper
-backward is skipped with its reason instead of ending in hypothesis's Unsatisfiable. The second H200 run (same
-day, -n 12 with this file's neighbours, 98 of 100 tests in 338 s, the other 2 and the 4 failures re-run after the
-fixes) found: mamba_chunk_scan's bf16 backward limit excluded every case (Unsatisfiable; now a refused pass,
-skipped with the reason), a strict xfail that agrees on CUDA (ssd_minimal fp16 typical decay: CPU only), a stand-in
-test without a float32 floor (a 1e-142 gradient), and the bf16 per-token budget out of line with fp16's (above).
 Found by these properties (no upstream issue known to us):
 - mamba_chunk_scan_combined: varlen_states leave out initial_states when the first sequence ends inside the
   first chunk; with seq_idx = -1 padding ending a row, the backward sends d(final_states) (of a constant 0)
@@ -876,7 +868,7 @@ def test_chunk_scan_gradients_under_strong_decay(device):
                                    "listing, tested by its authors in fp32)")
 def test_ssd_minimal_half_precision_typical_decay(device):
     if torch.device(device).type == "cuda":
-        # measured on an H200 (2026-11-30): this case agrees there (strict XPASS). The same torch code loses the
+        # Measured on an H200: this case agrees there (strict XPASS). The same torch code loses the
         # ~1% on the CPU only; which CUDA kernel keeps the fp16 chunk sum closer was not isolated. The limit
         # stays declared on both devices (the listing's fp16 chunk sum is still outside what it was written for).
         pytest.skip("this case shows the fp16 chunk-sum error on the CPU only; on CUDA (an H200) it agrees")

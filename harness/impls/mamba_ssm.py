@@ -245,8 +245,8 @@ unstable_ddA = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.r
                      "under strong decay per step (decay=strong, or dt > 20) gradients carry rounding noise of the "
                      "size of the outputs")
 # In bfloat16 the same difference is formed from outputs rounded to 8 bits, and the noise shows at typical decay
-# too (measured on an H200, 2026-11-30: d(dt) 0.251 relative RMS, 32 bf16 epsilons, at L=16, Q=16 — 2.5x the interim
-# bf16 budget of then, 0.1; the budget's edge since it is 32 epsilons): the whole pass is refused (ChunkScan.refuses).
+# too (measured on an H200: d(dt) 0.251 relative RMS, 32 bf16 epsilons, at L=16, Q=16 — the edge of the bf16
+# per-token budget of 32 epsilons): the whole pass is refused (ChunkScan.refuses).
 UNSTABLE_DDA_BF16 = ("mamba_chunk_scan's backward takes d(dA_cumsum) from the difference its authors call numerically "
                      "unstable, formed in bfloat16 from outputs rounded to 8 bits: its gradients carry rounding noise "
                      "at any decay (measured on an H200: d(dt) 0.251 relative RMS, 32 bf16 epsilons, at typical decay)")
@@ -304,9 +304,9 @@ class ChunkScanRef(ChunkScan):
 # decay the chunk sum reaches ~20, where a half-precision ulp is ~0.01, so every decay factor is off by ~1%
 # (measured: final states 1.1e-2 relative in fp16; 7e-5 when the same fp16 inputs are computed in fp32). That
 # is the listing's design (its authors test it in fp32), pinned by a strict xfail in properties/test_upstream.py.
-# Strong decay and dt > 20 make the chunk sums larger still: on an H200 (2026-11-30) fp16 with strong decay and
-# dt > 20 went non-finite (the fp16 cumsum overflows) and bf16 with mild decay and dt > 20 lost 2.7% on the final
-# states (1.3x the interim budget); both reproduce on the CPU (pure torch). Mild or no decay without dt > 20
+# Strong decay and dt > 20 make the chunk sums larger still: on an H200 fp16 with strong decay and dt > 20 goes
+# non-finite (the fp16 cumsum overflows) and bf16 with mild decay and dt > 20 loses 2.7% on the final states;
+# both reproduce on the CPU (pure torch). Mild or no decay without dt > 20
 # passes in both dtypes (measured on 39 drawn CPU cases).
 half_cumsum = limit(lambda c: c.dtype != "float32" and (c.regime.decay in ("typical", "strong") or c.regime.dt_large),
                     "cannot express typical or strong decay, or dt > 20, in float16/bfloat16: it sums A*dt over a "
