@@ -32,7 +32,7 @@ from harness import localize, oracle, runtime, store
 from harness.examine import Examiner, Outcome, UsageError
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases
-from harness.verdict import FACTOR, budget_rule
+from harness.verdict import FACTOR, PROCESS_FAILURES, budget_rule
 
 PASSES = ("forward", "backward", "mixed")
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
@@ -274,7 +274,7 @@ class Fuzzer:
         crashed or hung is not minimized (every candidate would cost a child process or a timeout)."""
         from harness.minimize import NotDiverging, minimize_outcome
 
-        if any(v.status in ("crash", "hang") for v in finding.outcome.verdicts.values()):
+        if any(v.status in PROCESS_FAILURES for v in finding.outcome.verdicts.values()):
             finding.minimize_problem = "not minimized: a side crashed or hung"
             return
         start = time.perf_counter()

@@ -68,6 +68,8 @@ UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.flo
 # Verdict statuses, least to most severe. "ok" is the only passing one.
 STATUSES = ("ok", "diverged", "nonfinite", "mismatch", "error", "crash", "hang")
 RUN_FAILURES = ("error", "crash", "hang")
+# Run failures whose process died or was killed: each re-run costs a fresh child process or a whole timeout.
+PROCESS_FAILURES = ("crash", "hang")
 
 # Axes a budget cell / error map keeps (everything else is reduced inside a cell).
 LOCAL_AXES = ("batch", "seq", "chunk", "token", "head", "group", "channel")
