@@ -57,8 +57,7 @@ def wide() -> dict:
 
 def install_wide() -> int:
     from kernels.ssd import configs
-    import kernels.ssd.backward  # noqa: F401 - registers the backward tuners
-    import kernels.ssd.combined  # noqa: F401
+    import kernels.ssd.combined  # noqa: F401 - registers every tuner (forward and backward)
     grids = wide()
     for name, tuners in configs.TUNERS.items():
         if name in grids:

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from harness import baseline, oracle, runtime
 from harness.case import Case, Regime
 from harness.impls import get
+from harness.impls.ssdiff_triton import chunk_major_to_tokens
 from harness.inputs import materialize
 from harness.strategies import Bounds, cases
 from harness.verdict import judge, judge_tensor
@@ -46,8 +47,7 @@ from kernels.ssd import configs  # noqa: E402
 from kernels.ssd.bmm import ssd_bmm_fwd  # noqa: E402
 from kernels.ssd.chunk_scan import ssd_chunk_scan_fwd  # noqa: E402
 from kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_varlen_states_fwd  # noqa: E402
-from kernels.ssd.cumsum import ssd_chunk_cumsum_fwd  # noqa: E402
-from kernels.ssd.forward import chunk_major_to_tokens  # noqa: E402
+from kernels.ssd.cumsum import ssd_cumsum_fwd  # noqa: E402
 from kernels.ssd.state_passing import ssd_state_passing_fwd  # noqa: E402
 
 IMPL = "ssdiff.triton"
@@ -114,8 +114,8 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
                                     samples, case, inputs))
 
     with runtime.autotune(index):
-        dt_out, dA_cs = ssd_chunk_cumsum_fwd(t["dt"], t["A"], Q, dt_bias=t.get("dt_bias"),
-                                             dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default)
+        dt_out, dA_cs = ssd_cumsum_fwd(t["dt"], t["A"], Q, dt_bias=t.get("dt_bias"),
+                                       dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default)
         check("dt", chunk_major_to_tokens(dt_out, L))
         check("dA_cumsum", chunk_major_to_tokens(dA_cs, L))
         check("CB", ssd_bmm_fwd(t["C"], t["B"], Q))
