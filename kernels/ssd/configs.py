@@ -62,7 +62,6 @@ CONFIGS = {
                 _c(BM=64, BP=64, BK=32, BN=64, num_warps=4, num_stages=3)],
                {"BM": "Q", "BP": "P", "BK": "Q", "BN": "N"}),
     "bwd_cumsum": ([_c(BH=16, num_warps=4), _c(BH=32, num_warps=2), _c(BH=64, num_warps=8)], {"BH": "H"}),
-    "gated_rmsnorm": ([_c(BR=16, num_warps=4), _c(BR=4, num_warps=2), _c(BR=64, num_warps=8)], {}),
 }
 
 
