@@ -16,10 +16,8 @@ plus a rounding floor; ratio <= 1 passes). No
 per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its budgets are tight; on a GPU the
 baseline models TF32 for fp32.
 
-Cost: sized for CI on 2 CPU cores under the Triton interpreter (measured 85 s for the whole file with 10/14/10/5
-generated examples on an idle 2-core machine; with 12/20/16/8 about 2.5 minutes, before the several-tiles
-property and the baseline's neighbour samples were added); the gpu/nightly profiles (SSDIFF_PROFILE) multiply
-the example counts by 5 / 20.
+Cost: the example counts are sized for CI on 2 CPU cores under the Triton interpreter; the gpu/nightly profiles
+(SSDIFF_PROFILE) multiply them by 5 / 20.
 """
 
 from __future__ import annotations
