@@ -51,7 +51,9 @@ def configure() -> None:
     """Choose the runtime before any Triton kernel is defined and install what it needs. Idempotent.
 
     Without a GPU: the Triton interpreter (TRITON_INTERPRET=1 must be set before `triton.jit` decorates a
-    kernel, so call this before importing any kernel module) and its patches."""
+    kernel, so call this before importing any kernel module) and its patches. kernels/ imports nothing from the
+    harness: whoever imports it calls this first (conftest.py, the CLI, the ssdiff.triton adapter, the kernel
+    benchmark and tuner)."""
     global _configured
     if _configured:
         return

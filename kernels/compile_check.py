@@ -22,7 +22,7 @@ SMEM_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 
 
 def specs():
-    from kernels.ssd import backward, bmm, chunk_scan, chunk_state, cumsum, state_passing
+    from kernels.ssd import bmm, chunk_scan, chunk_state, cumsum, state_passing
     f32 = "fp32"
     return {  # config name -> (kernel, pointer dtypes ("act" = activation dtype), constexprs)
         "cumsum": (cumsum.ssd_fwd_kernel_cumsum, dict(dt="act", A=f32, dt_bias=f32, dt_out=f32, dA_cs=f32),
@@ -47,18 +47,17 @@ def specs():
                             z="act", out="act", scan_out=f32, pregate_out="act"),
                        dict(HAS_SEQ_IDX=True, HAS_D=True, D_PER_CHANNEL=False, HAS_Z=True, STORE_SCAN=True,
                             STORE_PREGATE=True, IDX64=True)),
-        "bwd_gate": (backward.ssd_bwd_kernel_gate, dict(dy="act", z="act", o="act", ds=f32, dz="act"), {}),
-        "bwd_dcb_ddA": (backward.ssd_bwd_kernel_dcb_ddA,
+        "bwd_gate": (chunk_scan.ssd_bwd_kernel_gate, dict(dy="act", z="act", o="act", ds=f32, dz="act"), {}),
+        "bwd_dcb_ddA": (chunk_scan.ssd_bwd_kernel_dcb_ddA,
                         dict(x="act", ds="act", CB=f32, dt_out=f32, dA_cs=f32, seq_idx="i32", dCB=f32,
                              ddA_part=f32, run=f32), dict(HAS_SEQ_IDX=True)),
-        "bwd_dbc": (backward.ssd_bwd_kernel_dbc, dict(U=f32, V="act", W="act", dCB=f32, dt_out=f32, dA_cs=f32,
-                                                      seq_idx="i32", states=f32, out="act", dcs_part=f32),
+        "bwd_dbc": (bmm.ssd_bwd_kernel_dbc, dict(U=f32, V="act", W="act", dCB=f32, dt_out=f32, dA_cs=f32,
+                                                 seq_idx="i32", states=f32, out="act", dcs_part=f32),
                     dict(IS_DC=True, HAS_SEQ_IDX=True)),
-        "bwd_dx": (backward.ssd_bwd_kernel_dx, dict(x="act", ds=f32, Bm="act", CB=f32, dt_out=f32, dA_cs=f32,
-                                                    seq_idx="i32", dS=f32, D=f32, dx="act", ddt_part=f32,
-                                                    dD_part=f32), dict(HAS_SEQ_IDX=True, HAS_D=True,
-                                                                       D_PER_CHANNEL=True)),
-        "bwd_cumsum": (backward.ssd_bwd_kernel_cumsum,
+        "bwd_dx": (chunk_scan.ssd_bwd_kernel_dx,
+                   dict(x="act", ds=f32, Bm="act", CB=f32, dt_out=f32, dA_cs=f32, seq_idx="i32", dS=f32, D=f32,
+                        dx="act", ddt_part=f32, dD_part=f32), dict(HAS_SEQ_IDX=True, HAS_D=True, D_PER_CHANNEL=True)),
+        "bwd_cumsum": (cumsum.ssd_bwd_kernel_cumsum,
                        dict(dt="act", A=f32, dt_bias=f32, dcs=f32, T=f32, ddA_in=f32, ddt_in=f32, ddt="act",
                             dA_part=f32, ddt_bias_part=f32), dict(DT_SOFTPLUS=True, HAS_DT_BIAS=True, BQ=256)),
     }

@@ -16,10 +16,8 @@ plus a rounding floor; ratio <= 1 passes). No
 per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its budgets are tight; on a GPU the
 baseline models TF32 for fp32.
 
-Cost: sized for CI on 2 CPU cores under the Triton interpreter (measured 85 s for the whole file with 10/14/10/5
-generated examples on an idle 2-core machine; with 12/20/16/8 about 2.5 minutes, before the several-tiles
-property and the baseline's neighbour samples were added); the gpu/nightly profiles (SSDIFF_PROFILE) multiply
-the example counts by 5 / 20.
+Cost: the example counts are sized for CI on 2 CPU cores under the Triton interpreter; the gpu/nightly profiles
+(SSDIFF_PROFILE) multiply them by 5 / 20.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from hypothesis import strategies as st
 from harness import baseline, oracle, runtime
 from harness.case import Case, Regime
 from harness.impls import get
+from harness.impls.ssdiff_triton import chunk_major_to_tokens
 from harness.inputs import materialize
 from harness.strategies import Bounds, cases
 from harness.verdict import judge, judge_tensor
@@ -46,8 +45,7 @@ from kernels.ssd import configs  # noqa: E402
 from kernels.ssd.bmm import ssd_bmm_fwd  # noqa: E402
 from kernels.ssd.chunk_scan import ssd_chunk_scan_fwd  # noqa: E402
 from kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_varlen_states_fwd  # noqa: E402
-from kernels.ssd.cumsum import ssd_chunk_cumsum_fwd  # noqa: E402
-from kernels.ssd.forward import chunk_major_to_tokens  # noqa: E402
+from kernels.ssd.cumsum import ssd_cumsum_fwd  # noqa: E402
 from kernels.ssd.state_passing import ssd_state_passing_fwd  # noqa: E402
 
 IMPL = "ssdiff.triton"
@@ -114,8 +112,8 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
                                     samples, case, inputs))
 
     with runtime.autotune(index):
-        dt_out, dA_cs = ssd_chunk_cumsum_fwd(t["dt"], t["A"], Q, dt_bias=t.get("dt_bias"),
-                                             dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default)
+        dt_out, dA_cs = ssd_cumsum_fwd(t["dt"], t["A"], Q, dt_bias=t.get("dt_bias"),
+                                       dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default)
         check("dt", chunk_major_to_tokens(dt_out, L))
         check("dA_cumsum", chunk_major_to_tokens(dA_cs, L))
         check("CB", ssd_bmm_fwd(t["C"], t["B"], Q))

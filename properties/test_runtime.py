@@ -1,10 +1,10 @@
 """harness.runtime's choice of autotune config: a forced config that does not fit the device is passed over.
 
 On an H200, mamba_ssm's config 0 of some kernels needs 296 KB of shared memory in float32 (the limit is
-227 KB): forcing it (``--autotune 0``, or the drawn config of a GPU property) raised OutOfResources for every
-case, which the fuzzer reported as the implementation erroring. The benchmarking autotuner skips such a
-config; a forced choice now does too, and says so in the launch record. The interpreter never runs out of
-shared memory, so the refusal is simulated here by a pre_hook that raises triton's own OutOfResources.
+227 KB). The benchmarking autotuner skips such a config; a forced choice (``--autotune 0``, or the drawn config
+of a GPU property) does too, runs the next config that fits and says so in the launch record, rather than
+reporting OutOfResources as the implementation erroring. The interpreter never runs out of shared memory, so
+the refusal is simulated here by a pre_hook that raises triton's own OutOfResources.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ class SsdiffTriton(Implementation):
 def scan_stages(case, x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
                 dt_softplus=None) -> dict:
     """Each forward stage kernel run on its own, in order, converted to the oracle's layouts."""
-    from kernels.ssd.forward import oracle_stages, ssd_combined_fwd
+    runtime.configure()
+    from kernels.ssd.combined import ssd_combined_fwd
 
     with torch.no_grad():
         res = ssd_combined_fwd(x.detach(), dt.detach(), A.detach(), B.detach(), C.detach(), case.chunk_size,
@@ -107,6 +108,36 @@ def scan_stages(case, x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_stat
                                seq_idx=seq_idx, dt_softplus=case.dt_softplus if dt_softplus is None else dt_softplus,
                                dt_limit=case.dt_limit_or_default, stages=True)
     return oracle_stages(res, case.seqlen, D is not None, z is not None)
+
+
+def chunk_major_to_tokens(t: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """A chunk-major kernel intermediate (b, h, c, Q) in the oracle's token layout (b, L, h)."""
+    b, h, c, Q = t.shape
+    return t.reshape(b, h, c * Q)[:, :, :seqlen].permute(0, 2, 1)
+
+
+def oracle_stages(res, seqlen: int, has_D: bool, has_z: bool) -> dict:
+    """The stage intermediates of a ``kernels.ssd.combined.ForwardResult`` in the oracle's layouts and names
+    (harness/oracle/result.py); C.B^T zeroed at positions past ``seqlen``."""
+    L = seqlen
+    Q = res.CB.shape[-1]
+    valid = torch.arange(res.CB.shape[1] * Q, device=res.CB.device) < L
+    valid = valid.reshape(res.CB.shape[1], Q)
+    CB = res.CB * valid[None, :, None, :, None] * valid[None, :, None, None, :]
+    st = {
+        "dt": chunk_major_to_tokens(res.dt_out, L),
+        "dA_cumsum": chunk_major_to_tokens(res.dA_cumsum, L),
+        "chunk_states": res.chunk_states,
+        "passed_states": res.passed_states,
+        "CB": CB,
+    }
+    if res.scan is not None:
+        st["scan"] = res.scan
+    if has_D and res.pregate is not None:
+        st["skip"] = res.pregate
+    if has_z:
+        st["gated"] = res.out
+    return st
 
 
 register(SsdiffTriton())

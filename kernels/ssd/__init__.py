@@ -1,1 +1,2 @@
-"""Mamba-2 SSD (state space duality) kernels: stages, backward, combined autograd entry, mixer."""
+"""Mamba-2 SSD (state space duality) kernels: five stages, each file with its backward; the combined autograd
+entry; the mixer."""

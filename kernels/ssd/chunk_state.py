@@ -101,12 +101,12 @@ def ssd_chunk_state_fwd(x, B, dt_out, dA_cumsum, seq_idx=None):
     return _chunk_reduce(0, x, B, dt_out, dA_cumsum, seq_idx)
 
 
-def ssd_chunk_state_bwd_dstates(ds, C, dA_cumsum, seq_idx=None):
+def ssd_dstates_bwd(ds, C, dA_cumsum, seq_idx=None):
     """The gradient reaching each passed state from the chunk output: (b, c, h, p, n) float32."""
     return _chunk_reduce(1, ds, C, dA_cumsum, dA_cumsum, seq_idx)
 
 
-# ---- varlen end states ---------------------------------------------------------------------------------
+# ---- varlen end states -------------------------------------------------------------------------------------
 
 @configs.autotune("varlen_states", key=["Q", "P", "N"])
 @triton.jit

@@ -1,15 +1,115 @@
-"""The public entry: ``ssd_chunk_scan_combined``, a drop-in for mamba_chunk_scan_combined (same signature,
-same returns), differentiable through ssdiff's Triton backward kernels."""
+"""The SSD pipeline and its public entry.
+
+    forward   1 cumsum, 2 bmm, 3 chunk_state, 4 state_passing, 5 chunk_scan                   ssd_combined_fwd
+    backward  5 gate, 3 dstates, 4 state_passing, 5 dcb_ddA, 2 dC and dB, 5 dx, 1 cumsum        ssd_combined_bwd
+
+(stage numbers as the files: cumsum.py, bmm.py, chunk_state.py, state_passing.py, chunk_scan.py; each states
+the math of its forward and backward kernels). ``ssd_chunk_scan_combined`` is a drop-in for
+mamba_chunk_scan_combined (same signature, same returns), differentiable through the backward kernels
+(SSDChunkScanCombinedFn).
+
+Notation (kernels/README.md): cs = dA_cumsum, ds = dL/d(scan output) (= dy silu(z) with z, else dy), H_k the
+state entering chunk k, S_k chunk k's own end state, dS_k = dL/dS_k = G_{k+1} (the reverse state recurrence).
+Every reduction that crosses programs is written as per-tile partial sums (indexed by 16-wide granules, so any
+configuration fills the same buffer) and summed by torch afterwards: no atomics, run-to-run identical.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from kernels.ssd.backward import ssd_combined_bwd
-from kernels.ssd.forward import ssd_combined_fwd
+from kernels.ssd.bmm import ssd_bmm_fwd, ssd_dB_bwd, ssd_dC_bwd
+from kernels.ssd.chunk_scan import ssd_chunk_scan_fwd, ssd_dcb_ddA_bwd, ssd_dx_bwd, ssd_gate_bwd
+from kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_dstates_bwd, ssd_varlen_states_fwd
+from kernels.ssd.cumsum import ssd_cumsum_bwd, ssd_cumsum_fwd
+from kernels.ssd.state_passing import ssd_state_passing_bwd, ssd_state_passing_fwd
 
+
+# ---- the stages in order -----------------------------------------------------------------------------------
+
+@dataclass
+class ForwardResult:
+    out: torch.Tensor                      # (b, L, h, p) x.dtype
+    final_states: torch.Tensor             # (b, h, p, n) float32
+    dt_out: torch.Tensor                   # (b, h, c, Q) float32
+    dA_cumsum: torch.Tensor                # (b, h, c, Q) float32
+    CB: torch.Tensor                       # (b, c, g, Q, Q) float32
+    chunk_states: torch.Tensor             # (b, c, h, p, n) float32
+    passed_states: torch.Tensor            # (b, c, h, p, n) float32 (C's dtype without stages)
+    pregate: Optional[torch.Tensor] = None  # (b, L, h, p): after D, before z
+    scan: Optional[torch.Tensor] = None     # (b, L, h, p) float32: before D
+    varlen_states: Optional[torch.Tensor] = None
+
+
+def ssd_combined_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                     seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+                     return_varlen_states=False, keep_pregate=False, keep_states=False,
+                     stages=False) -> ForwardResult:
+    """Run every forward stage. ``keep_pregate``: keep the output before z gating (backward needs it);
+    ``keep_states``: passed states in float32 (the backward reuses them); ``stages``: keep the fp32 scan
+    output and an fp32 pre-gate output too (for localization)."""
+    dt_out, dA_cs = ssd_cumsum_fwd(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                   dt_limit=dt_limit)
+    CB = ssd_bmm_fwd(C, B, chunk_size)
+    states = ssd_chunk_state_fwd(x, B, dt_out, dA_cs, seq_idx=seq_idx)
+    # The chunk scan reads the passed states rounded to C's dtype (its tensor-core operand): stored that way
+    # they cost half the traffic, bit for bit the same output. Kept in float32 where they are read exactly
+    # (varlen states, the backward) or reported (stages).
+    exact = stages or keep_states or return_varlen_states or C.dtype == torch.float32
+    passed, final = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states,
+                                          out_dtype=None if exact else C.dtype)
+    want_pregate = (keep_pregate and z is not None) or (stages and (D is not None or z is not None))
+    out, scan, pregate = ssd_chunk_scan_fwd(
+        x, C, CB, dt_out, dA_cs, passed, seq_idx=seq_idx, D=D, z=z, return_scan=stages,
+        return_pregate=want_pregate, pregate_dtype=torch.float32 if stages else None)
+    varlen = None
+    if return_varlen_states:
+        varlen = ssd_varlen_states_fwd(x, B, dt_out, dA_cs, passed, seq_idx, cu_seqlens)
+    return ForwardResult(out, final, dt_out, dA_cs, CB, states, passed, pregate, scan, varlen)
+
+
+def ssd_combined_bwd(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                     seq_idx=None, dt_softplus=False, dt_limit=(0.0, math.inf), pregate=None, dfinal=None,
+                     forward=None):
+    """Gradients of every input. ``pregate`` (output before z gating) must be given when z is. ``forward``:
+    (dt_out, dA_cumsum, float32 passed states) kept by the forward; without it (or where an entry is None)
+    they are recomputed. CB is always recomputed.
+
+    Returns dict: x, dt, A, B, C, D, z, dt_bias, initial_states (None where the input is None)."""
+    dt_out, dA_cs, passed = forward if forward is not None else (None, None, None)
+    if dt_out is None or dA_cs is None:
+        dt_out, dA_cs = ssd_cumsum_fwd(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                       dt_limit=dt_limit)
+    CB = ssd_bmm_fwd(C, B, chunk_size)
+    if passed is None or passed.dtype != torch.float32:
+        states = ssd_chunk_state_fwd(x, B, dt_out, dA_cs, seq_idx=seq_idx)
+        passed, _ = ssd_state_passing_fwd(states, dA_cs, seq_idx=seq_idx, initial_states=initial_states)
+    dz = None
+    if z is not None:
+        ds, dz = ssd_gate_bwd(dy, z, pregate)
+    else:
+        ds = dy
+    dH = ssd_dstates_bwd(ds, C, dA_cs, seq_idx=seq_idx)
+    dS, dinit, dcs_last = ssd_state_passing_bwd(dH, passed, dA_cs, seq_idx=seq_idx, dfinal=dfinal,
+                                                need_dinitial=initial_states is not None)
+    dCB, ddA = ssd_dcb_ddA_bwd(x, ds, CB, dt_out, dA_cs, seq_idx=seq_idx)
+    dC, dcs_C = ssd_dC_bwd(ds, B, C, dCB, dA_cs, passed, seq_idx=seq_idx)
+    dB, T = ssd_dB_bwd(x, B, C, dCB, dt_out, dA_cs, dS, seq_idx=seq_idx)
+    dx, ddt_direct, dD = ssd_dx_bwd(x, ds, B, CB, dt_out, dA_cs, dS, seq_idx=seq_idx, D=D)
+    dcs = dcs_C
+    dcs[..., -1] += dcs_last
+    ddt, dA, ddt_bias = ssd_cumsum_bwd(dcs, T, ddA, ddt_direct, dt, A, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                       dt_limit=dt_limit)
+    return dict(x=dx, dt=ddt, A=dA.to(A.dtype), B=dB, C=dC, D=dD.to(D.dtype) if D is not None else None, z=dz,
+                dt_bias=ddt_bias.to(dt_bias.dtype) if dt_bias is not None else None,
+                initial_states=dinit.to(initial_states.dtype) if initial_states is not None else None)
+
+
+# ---- the autograd Function and the public entry ------------------------------------------------------------
 
 def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, return_varlen_states):
     b, L, h, p = x.shape

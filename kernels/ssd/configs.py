@@ -26,8 +26,9 @@ def _c(num_warps=4, num_stages=2, **blocks) -> triton.Config:
 
 # name -> (configs, {block constexpr: problem dimension it tiles (an argument name)})
 # The first config of each list is the one an H200 picked from a wide grid at (b, L, h, p, n, g) =
-# (2, 16384, 128, 64, 128, 8), bf16, chunk 256 (``python -m kernels.tune --wide``); the interpreter runs it by
-# default too. The small ones are there for the sweep: tiles that straddle chunk, sequence and tensor edges.
+# (2, 16384, 128, 64, 128, 8), bf16, chunk 256 (``python -m harness.kernel_tune --wide``); the interpreter runs
+# it by default too. The small ones are there for the sweep: tiles that straddle chunk, sequence and tensor
+# edges.
 CONFIGS = {
     "cumsum": ([_c(BH=16, num_warps=4), _c(BH=32, num_warps=2), _c(BH=64, num_warps=8)], {"BH": "H"}),
     "bmm": ([_c(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), _c(BM=16, BN=32, BK=16, num_warps=2),
@@ -61,7 +62,6 @@ CONFIGS = {
                 _c(BM=64, BP=64, BK=32, BN=64, num_warps=4, num_stages=3)],
                {"BM": "Q", "BP": "P", "BK": "Q", "BN": "N"}),
     "bwd_cumsum": ([_c(BH=16, num_warps=4), _c(BH=32, num_warps=2), _c(BH=64, num_warps=8)], {"BH": "H"}),
-    "gated_rmsnorm": ([_c(BR=16, num_warps=4), _c(BR=4, num_warps=2), _c(BR=64, num_warps=8)], {}),
 }
 
 
@@ -86,7 +86,7 @@ def fitter(name: str):
     return fit
 
 
-# name -> the Autotuner objects built from CONFIGS[name] (kernels.tune swaps their config lists)
+# name -> the Autotuner objects built from CONFIGS[name] (harness.kernel_tune swaps their config lists)
 TUNERS: dict = {}
 
 

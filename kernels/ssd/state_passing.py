@@ -1,4 +1,4 @@
-"""Stage 5: the state entering each chunk, and the final state; and its backward (the reverse recurrence).
+"""Stage 4: the state entering each chunk, and the final state; and its backward (the reverse recurrence).
 
     H_0 = initial_states (or 0)
     H_{k+1} = keep_k H_k + S_k,    keep_k = exp(cs_last_k) * [seq(last of k) == seq(last of k-1) and >= 0]

@@ -2,8 +2,8 @@
 
 Not a test. On a CUDA GPU (an H200 for kernels/BENCHMARKS.md):
 
-    python -m kernels.benchmark                       # the five shapes of issue 7, bf16, markdown table
-    python -m kernels.benchmark --shapes 2,4096,32,64,128,8 --dtype float16 --markdown out.md
+    python -m harness.kernel_benchmark                     # the five shapes of issue 7, bf16
+    python -m harness.kernel_benchmark --shapes 2,4096,32,64,128,8 --dtype float16 --markdown out.md
 
 Per shape (batch, seqlen, nheads, headdim, dstate, ngroups), chunk 256, Mamba-2-like inputs (D per head,
 dt_bias, softplus; no z, no seq_idx), it prints for each implementation:
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", help="also write the table (with date, versions, GPU) to this file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.benchmark needs a CUDA GPU", file=sys.stderr)
+        print("harness.kernel_benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     from harness import runtime
     runtime.configure()

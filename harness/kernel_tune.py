@@ -1,7 +1,7 @@
 """Where the time goes, and which tile sizes win: a GPU tool for kernel work (not a test, not the benchmark).
 
-    python -m kernels.tune --shape 2,16384,128,64,128,8 --dtype bfloat16 --profile
-    python -m kernels.tune --shape 2,16384,128,64,128,8 --wide --json tuned.json
+    python -m harness.kernel_tune --shape 2,16384,128,64,128,8 --dtype bfloat16 --profile
+    python -m harness.kernel_tune --shape 2,16384,128,64,128,8 --wide --json tuned.json
 
 --profile: one forward and one forward+backward of ssdiff's kernels and of mamba_chunk_scan_combined under
            torch.profiler; prints each GPU kernel's time per call (ms), summed over its launches.
@@ -10,7 +10,7 @@
            harness.runtime.autotune(index)), then lets triton's autotuner benchmark every config of every
            kernel at this shape and prints, per kernel, the best configs and their times. --json writes them.
 
-Inputs as kernels.benchmark (Mamba-2-like: D per head, dt_bias, softplus; chunk 256).
+Inputs as harness.kernel_benchmark (Mamba-2-like: D per head, dt_bias, softplus; chunk 256).
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def wide() -> dict:
 
 def install_wide() -> int:
     from kernels.ssd import configs
-    import kernels.ssd.backward  # noqa: F401 - registers the backward tuners
-    import kernels.ssd.combined  # noqa: F401
+    import kernels.ssd.combined  # noqa: F401 - registers every tuner (forward and backward)
     grids = wide()
     for name, tuners in configs.TUNERS.items():
         if name in grids:
@@ -67,12 +66,12 @@ def install_wide() -> int:
     return max(len(v) for v in grids.values())
 
 
-# the implementations as kernels.benchmark runs them (same inputs, same arguments)
+# the implementations as harness.kernel_benchmark runs them (same inputs, same arguments)
 BENCH_NAMES = {"ssdiff": "ssdiff.triton", "mamba": "mamba_chunk_scan_combined"}
 
 
 def fwd_bwd(t, dy, Q, impl="ssdiff"):
-    from kernels.benchmark import IMPLS
+    from harness.kernel_benchmark import IMPLS
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
     y = IMPLS[BENCH_NAMES[impl]](leaves, Q)
     torch.autograd.backward(y, dy)
@@ -80,7 +79,7 @@ def fwd_bwd(t, dy, Q, impl="ssdiff"):
 
 
 def forward(t, Q, impl="ssdiff"):
-    from kernels.benchmark import IMPLS
+    from harness.kernel_benchmark import IMPLS
     with torch.no_grad():
         return IMPLS[BENCH_NAMES[impl]](t, Q)
 
@@ -161,10 +160,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.tune needs a CUDA GPU", file=sys.stderr)
+        print("harness.kernel_tune needs a CUDA GPU", file=sys.stderr)
         return 2
     from harness import runtime
-    from kernels.benchmark import DTYPES, make_inputs
+    from harness.kernel_benchmark import DTYPES, make_inputs
     runtime.configure()
     shape = tuple(int(v) for v in args.shape.split(","))
     t, dy = make_inputs(shape, DTYPES[args.dtype], "cuda")
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
     start = time.time()
     flags = ["--wide"] if args.wide else []
     flags += ["--profile"] if args.profile else []
-    procs = [subprocess.Popen([sys.executable, "-m", "kernels.tune", "--shape", args.shape, "--dtype", args.dtype,
+    procs = [subprocess.Popen([sys.executable, "-m", "harness.kernel_tune", "--shape", args.shape, "--dtype", args.dtype,
                                "--chunk-size", str(Q), "--workers", str(args.workers), "--worker", str(i), *flags])
              for i in range(min(args.workers, count))]
     for p in procs:
