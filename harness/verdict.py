@@ -544,8 +544,8 @@ def failed_run(impl: str, status: str, detail: str, seconds: float = 0.0) -> Ver
 
 def judge(impl: str, case: Case, inputs: Inputs, outputs, truth, base, stages: bool = False,
           factor: float = FACTOR, seconds: float = 0.0) -> Verdict:
-    """Judge an implementation's ``outputs`` (harness.impls.Outputs) against the oracle's ``truth`` with the
-    baseline ``base`` (both harness.oracle.Evaluation): every output and gradient the oracle has, and with
+    """Judge an implementation's ``outputs`` (harness.evaluation.Evaluation) against the oracle's ``truth`` with the
+    baseline ``base`` (Evaluations too): every output and gradient the oracle has, and with
     ``stages`` every stage both sides expose (named "stage.<name>")."""
     bases = list(base) if isinstance(base, (list, tuple)) else [base]
     tensors = []

@@ -96,7 +96,7 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
     not model: under strong decay exp(cs_i - cs_j) carries eps * |cs| of relative error.)"""
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
-    bases = baseline.evaluate_samples(case, inputs, truth=truth)
+    bases = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
     t = inputs.native()
     st_ = truth.stages
     up = bases[0].stages                               # what is fed in: the round-to-nearest sample
@@ -151,7 +151,7 @@ def _run_and_judge(case, index, device, want_stages=False):
     assume(impl.skip_reason(case, device) is None)
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth=truth)
+    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
     with runtime.autotune(index):
         out = impl.run(case, inputs, want_stages=want_stages)
     verdict = judge(IMPL, case, inputs, out, truth, base, stages=want_stages)
@@ -219,7 +219,7 @@ def test_a_rising_decay_is_computed_exactly(pass_, device):
     inputs = dataclasses.replace(inputs, values=values)
     impl = get(IMPL)
     truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth=truth)
+    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
     assert truth.stages["dA_cumsum"][0, -1, 0] > truth.stages["dA_cumsum"][0, 0, 0]      # it does rise
     with runtime.autotune(1):                        # small tiles: several per chunk
         out = impl.run(case, inputs)
@@ -300,7 +300,7 @@ def test_a_wrong_group_is_caught(device):
     case = Case(batch=1, seqlen=12, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4)
     inputs = materialize(case, device)
     truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth=truth)
+    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
     impl = get(IMPL)
     _assert_ok(judge(IMPL, case, inputs, impl.run(case, inputs), truth, base))
     wrong = inputs.native()
@@ -310,5 +310,5 @@ def test_a_wrong_group_is_caught(device):
     y, final = ssd_chunk_scan_combined(wrong["x"], wrong["dt"], wrong["A"], B, wrong["C"], case.chunk_size,
                                        D=wrong.get("D"), dt_bias=wrong.get("dt_bias"), dt_softplus=True,
                                        return_final_states=True)
-    from harness.impls.base import Outputs
-    assert not judge(IMPL, case, inputs, Outputs({"y": y, "final_states": final}), truth, base).ok
+    from harness.evaluation import Evaluation
+    assert not judge(IMPL, case, inputs, Evaluation({"y": y, "final_states": final}), truth, base).ok
