@@ -24,6 +24,7 @@ from typing import Optional
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from harness.case import Case, CaseError
+from harness.features import BY_KEY
 from harness.oracle.result import STAGE_ORDER
 
 MAX_GRADIENT_MAPS = 4          # per side and divergence: the worst diverging gradients get a heatmap
@@ -258,8 +259,6 @@ def _features(loc: dict) -> Optional[dict]:
     features = (loc or {}).get("features")
     if not features:
         return None
-    from harness.localize import BY_KEY
-
     trigger = set(features.get("trigger") or [])
     rows = []
     for item in features.get("tried") or []:
