@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+from harness.axes import HEAD_PARTS, TensorAxes, coordinates_of, token_sequences
 from harness.case import Case, CaseError
 from harness.features import BY_KEY, FEATURES, present, switch_off, without
 from harness.oracle.result import STAGE_ORDER
@@ -173,19 +174,6 @@ def _ranges(values) -> str:
     return ", ".join(parts)
 
 
-def _segment_of(case: Case):
-    """Per (row, token): (ordinal of its sequence in the row, offset from that sequence's start) or None."""
-    out = []
-    pads = case.padding or (0,) * case.batch
-    for row, pad in zip(case.segments, pads):
-        marks = []
-        for k, n in enumerate(row):
-            marks.extend((k, off) for off in range(n))
-        marks.extend([None] * pad)
-        out.append(marks)
-    return out
-
-
 def coordinates(t: TensorVerdict, case: Case) -> dict:
     """Where tensor ``t``'s out-of-budget elements are, from its error map."""
     if t.ratio_map is None:
@@ -199,33 +187,17 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         return res
     heads, groups, batches, tokens, chunks, parts = set(), set(), set(), set(), set(), set()
     per_row_tokens: dict = {}
-    channels = t.layout.channels if t.layout is not None else ()
+    map_axes = TensorAxes(axes, t.axes.channels if t.axes is not None else ())
     for coord in idx:
-        for axis, i in zip(axes, coord):
-            if axis == "batch":
-                batches.add(i)
-            elif axis == "head":
-                heads.add(i)
-                groups.add(i // case.heads_per_group)
-            elif axis == "group":
-                groups.add(i)
-            elif axis == "token":
-                tokens.add(i)
-                chunks.add(i // case.chunk_size)
-            elif axis == "chunk":
-                chunks.add(i)
-            elif axis == "channel" and channels:
-                part, k = channels[i]
-                parts.add(part)
-                if part in ("z", "x", "dt", "ssm"):
-                    heads.add(k)
-                    groups.add(k // case.heads_per_group)
-                elif part in ("B", "C"):
-                    groups.add(k)
-        if "batch" in axes and "token" in axes:
-            per_row_tokens.setdefault(coord[axes.index("batch")], set()).add(coord[axes.index("token")])
+        where = coordinates_of(coord, map_axes, case)
+        for key, found in (("batch", batches), ("head", heads), ("group", groups), ("token", tokens),
+                           ("chunk", chunks), ("part", parts)):
+            if key in where:
+                found.add(where[key])
+        if "batch" in where and "token" in where:
+            per_row_tokens.setdefault(where["batch"], set()).add(where["token"])
     words = []
-    head_axis = "head" in axes or any(p in ("z", "x", "dt", "ssm") for p in parts)
+    head_axis = "head" in axes or any(p in HEAD_PARTS for p in parts)
     if head_axis and heads:
         res["heads"] = sorted(heads)
         res["nheads"] = case.nheads
@@ -259,7 +231,7 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         words.append(f"tokens {_ranges(tokens)}" if len(tokens) <= 12 else
                      f"{len(tokens)} tokens from {min(tokens)} to {max(tokens)}")
     if case.segments is not None and (tokens or chunks):
-        marks = _segment_of(case)
+        marks = token_sequences(case)
         if per_row_tokens:
             members = [marks[b][tok] for b, toks in per_row_tokens.items() for tok in toks if marks[b][tok]]
         else:   # chunk-indexed: the sequence at each chunk's first token
