@@ -1,47 +1,10 @@
 """The verdict: is an implementation's result within the error its dtype naturally makes?
 
-One rule for every output tensor, gradient and stage intermediate, for every shape, length and decay regime;
-harness/README.md ("The verdict") has the long form and the measurements.
-
-The rule
---------
-For a tensor with float64 oracle value ``t`` and the same-precision baseline samples ``b_k``
-(harness/baseline.py: a model chunked kernel computing the same case in float32 with the case dtype's
-rounding at every product operand and stored intermediate — TF32 products for fp32 on a GPU — evaluated
-once rounding to nearest, twice with every rounding point perturbed by one unit roundoff, and twice at
-neighbouring inputs — each input moved one rounding step, the sample's error being the model's error against
-the oracle there, so an input where the model is exact by chance does not set the noise level), the budget of
-element ``e`` is
-
-    budget_e = FACTOR * ( max_{cell(e)} max_k |b_k - t|  +  u * (|t_e| + mean_{cell(e)} |t|) )
-
-- a **cell** is the block of elements sharing a batch row, a chunk of ``chunk_size`` tokens and a head (or
-  group, or the channels of one head in the mixer's channel-packed tensors); headdim, dstate and positions
-  inside a chunk are reduced. The largest baseline error over the cell is the local noise level (one
-  element's error is noisy; a whole tensor's would let one loud head hide a quiet one). Cells smaller than
-  MIN_CELL elements are merged (across chunks, then heads, then batch rows);
-- ``u`` is the unit roundoff of the tensor's storage dtype (2^-24 fp32, 2^-11 fp16, 2^-8 bf16; stages use
-  the case dtype): the **rounding floor**, which admits an implementation that computes exactly and rounds
-  once, and keeps the budget positive where the baseline happens to be exact;
-- ``FACTOR`` = 4: healthy kernels need at most 2 (mamba_ssm 2.3.2.post1 mamba_chunk_scan_combined with
-  gradients, fp32 and fp16, 145 generated cases: 2.0 for one fp16 gradient, 1.3 for fp32; float32 oracles and
-  a toy kernel: up to 2.3), so 4 leaves a 2x margin. FlashAttention's rule allows 2x a baseline's max error,
-  dynamo's ``same`` 2-3x a baseline's RMS; this one is per cell, so it takes a little more.
-
-The verdict reports ``ratio = max_e |a_e - t_e| / budget_e`` (below 1: within budget; 40: broken), how many
-elements are out of budget, the worst element and where it is, the error as max abs and relative RMS, and the
-baseline's relative RMS for scale. Kept apart from "diverged":
-
-- ``nonfinite``: NaN or Inf where the oracle and the baseline are finite;
-- ``mismatch``: a missing output or gradient, a wrong shape, or a wrong dtype (y and gradients in the dtype
-  of their input, final/varlen states in float32; float64 results, the oracles', are accepted);
-- ``error`` (the implementation raised), ``crash`` (its process died: abort, segfault, a poisoned CUDA
-  context), ``hang`` (it ran past the timeout): harness/isolate.py produces the last two.
-
-Not judged: outputs and stage intermediates at padding tokens (seq_idx = -1) — their values are unspecified
-(the output cotangent is zero there, so gradients, which are judged everywhere, see none of them) — and C.B^T
-entries no token uses (j > i, across a sequence boundary, past the end). Elements out of the dtype's range
-(the oracle beyond its largest value, or a baseline sample overflowing) are excluded and counted.
+`judge` compares every output, gradient and stage intermediate with the float64 oracle and reports each as a
+ratio to a per-element budget (below 1: within it), derived from a same-precision baseline
+(harness/baseline.py) in budget cells (`cell_ids`), with NaN/Inf, mismatches and failed runs kept apart as
+statuses of their own; `disagreement` compares two implementations the same way. The rule, its constants
+(FACTOR, MIN_CELL) and their calibration: harness/README.md, "The verdict".
 """
 
 from __future__ import annotations
@@ -336,7 +299,7 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
 
 
 def element_budget(t, b, judged, axes: TensorAxes, case: Case, u: float, factor: float = FACTOR):
-    """The budget of every element (see the module docstring) for oracle ``t`` and baseline samples ``b``
+    """The budget of every element (harness/README.md, "The verdict") for oracle ``t`` and baseline samples ``b``
     (a list of tensors). Returns (budget, cell noise, cell ids, baseline error, |t|), masked by ``judged``."""
     zero = torch.zeros((), dtype=torch.float64, device=t.device)
     berr = torch.where(judged, torch.stack([(x - t).abs() for x in b]).amax(0), zero)
