@@ -416,36 +416,3 @@ def _coerce(name: str, value):
         return float(value)
     return value
 
-
-def features(case: Case) -> frozenset:
-    """The optional features a case uses, by name (what capabilities and ablations speak of)."""
-    f = set()
-    if case.D != "none":
-        f.add(f"D_{case.D}")
-    for name in ("has_z", "has_dt_bias", "dt_softplus", "initial_states", "varlen_states", "rmsnorm",
-                 "final_state_grad"):
-        if getattr(case, name):
-            f.add(name.removeprefix("has_"))
-    if case.dt_limit is not None:
-        f.add("dt_limit")
-    if case.segments is not None:
-        f.add("seq_idx")
-        if case.padding and any(case.padding):
-            f.add("padding")
-        if case.seq_idx_start:
-            f.add("seq_idx_start")
-    if case.return_final_states:
-        f.add("final_states")
-    if case.seqlen % case.chunk_size:
-        f.add("ragged")
-    if case.ngroups > 1:
-        f.add("groups")
-    if case.d_nonssm:
-        f.add("d_nonssm")
-    if case.out_dim is not None:
-        f.add("out_proj")
-    if case.regime.layout == "strided":
-        f.add("strided")
-    if case.backward:
-        f.add("backward")
-    return frozenset(f)

@@ -11,8 +11,8 @@ in words:
 - `coordinates`: from the per-element error maps kept by the verdict — which batch rows, heads or groups,
   chunks, tokens; whether only the last partial chunk is hit, whether the errors start at a sequence
   boundary; `configs` says which autotune configs diverge.
-- `features` (`minimal_trigger`): re-run with each optional feature switched off or simplified, in a fixed
-  order, keeping every simplification under which the divergence persists; what is left is a minimal set of
+- `features` (`minimal_trigger`): re-run with each optional feature switched off (harness/features.py, in its
+  order), keeping every switch-off under which the divergence persists; what is left is a minimal set of
   features that triggers it (no single one can be dropped), with the simplified case as a smaller repro.
 - `sides`: which implementation the oracle agrees with.
 """
@@ -20,158 +20,34 @@ in words:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-from harness.case import Case, features
+from harness.axes import HEAD_PARTS, TensorAxes, coordinates_of, token_sequences
+from harness.case import Case, CaseError
+from harness.features import BY_KEY, FEATURES, present, switch_off, without
 from harness.oracle.result import STAGE_ORDER
 from harness.verdict import TensorVerdict, Verdict
 
 
-# ---- features: simplifications, one per optional feature ---------------------------------------------------
-
-@dataclass(frozen=True)
-class Simplification:
-    """Switch one feature off (or tame it). ``applies(case)``; ``apply(case) -> Case`` (may raise CaseError)."""
-
-    key: str
-    label: str
-    applies: Callable[[Case], bool]
-    apply: Callable[[Case], Case]
-    stage: Optional[str] = None       # the pipeline stage that exists only because of this feature
-
-
-def _fold_padding(c: Case) -> Case:
-    segments = tuple(row[:-1] + (row[-1] + pad,) for row, pad in zip(c.segments, c.padding))
-    return c.replace(segments=segments, padding=None)
-
-
-def _unragged(c: Case) -> Case:
-    Q = c.chunk_size
-    target = c.seqlen - c.seqlen % Q if c.seqlen >= Q else Q
-    delta = target - c.seqlen
-    changes = dict(seqlen=target)
-    if c.segments is not None:
-        pads = c.padding or (0,) * c.batch
-        segs, new_pads = [], []
-        for row, pad in zip(c.segments, pads):
-            take = min(pad, -delta) if delta < 0 else 0
-            rest = delta + take
-            row = row[:-1] + (row[-1] + rest,)
-            segs.append(row)
-            new_pads.append(pad - take)
-        changes["segments"] = tuple(segs)
-        changes["padding"] = tuple(new_pads) if any(new_pads) else None
-    return c.replace(**changes)
-
-
-def _first_row(c: Case) -> Case:
-    changes = dict(batch=1)
-    if c.segments is not None:
-        changes["segments"] = c.segments[:1]
-        if c.padding is not None:
-            changes["padding"] = c.padding[:1]
-    return c.replace(**changes)
-
-
-def _no_seq_idx(c: Case) -> Case:
-    return c.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
-
-
-SIMPLIFICATIONS = (
-    Simplification("backward", "the backward pass", lambda c: c.backward,
-                   lambda c: c.replace(pass_="forward", final_state_grad=False)),
-    Simplification("final_state_grad", "a final-state gradient", lambda c: c.final_state_grad,
-                   lambda c: c.replace(final_state_grad=False)),
-    Simplification("groups", "ngroups > 1", lambda c: c.ngroups > 1, lambda c: c.replace(ngroups=1)),
-    Simplification("rmsnorm", "rmsnorm", lambda c: c.rmsnorm,
-                   lambda c: c.replace(rmsnorm=False, norm_before_gate=True), stage="normed"),
-    Simplification("out_proj", "out_proj", lambda c: c.out_dim is not None,
-                   lambda c: c.replace(out_dim=None, outproj_bias=False), stage="y"),
-    Simplification("outproj_bias", "an out_proj bias", lambda c: c.outproj_bias,
-                   lambda c: c.replace(outproj_bias=False), stage="y"),
-    Simplification("d_nonssm", "the SwiGLU branch (d_nonssm > 0)", lambda c: c.d_nonssm > 0,
-                   lambda c: c.replace(d_nonssm=0), stage="normed"),
-    Simplification("z", "z", lambda c: c.has_z, lambda c: c.replace(has_z=False), stage="gated"),
-    Simplification("D", "D", lambda c: c.entry == "chunk_scan" and c.D != "none",
-                   lambda c: c.replace(D="none"), stage="skip"),
-    Simplification("D_channel", "per-channel D", lambda c: c.entry == "split_conv1d" and c.D == "channel",
-                   lambda c: c.replace(D="head"), stage="skip"),
-    Simplification("varlen_states", "varlen states", lambda c: c.varlen_states,
-                   lambda c: c.replace(varlen_states=False)),
-    Simplification("seq_idx", "seq_idx", lambda c: c.segments is not None, _no_seq_idx),
-    Simplification("padding", "padding tokens (seq_idx = -1)", lambda c: bool(c.padding and any(c.padding)),
-                   _fold_padding),
-    Simplification("seq_idx_start", "seq_idx not starting at 0", lambda c: c.seq_idx_start > 0,
-                   lambda c: c.replace(seq_idx_start=0)),
-    Simplification("initial_states", "initial states", lambda c: c.initial_states,
-                   lambda c: c.replace(initial_states=False)),
-    Simplification("final_states", "returned final states", lambda c: c.return_final_states and not c.varlen_states,
-                   lambda c: c.replace(return_final_states=False, final_state_grad=False)),
-    Simplification("dt_limit", "dt_limit", lambda c: c.dt_limit is not None, lambda c: c.replace(dt_limit=None)),
-    Simplification("dt_softplus", "dt_softplus", lambda c: c.entry == "chunk_scan" and c.dt_softplus,
-                   lambda c: c.replace(dt_softplus=False)),
-    Simplification("dt_bias", "dt_bias", lambda c: c.entry == "chunk_scan" and c.has_dt_bias,
-                   lambda c: c.replace(has_dt_bias=False)),
-    Simplification("ragged", "a ragged last chunk (seqlen % chunk_size != 0)",
-                   lambda c: c.seqlen % c.chunk_size != 0, _unragged),
-    Simplification("strided", "strided (non-contiguous) inputs", lambda c: c.regime.layout == "strided",
-                   lambda c: c.replace(regime={"layout": "contiguous"})),
-    Simplification("dt_large", "dt above the softplus threshold", lambda c: c.regime.dt_large,
-                   lambda c: c.replace(regime={"dt_large": False})),
-    Simplification("decay", "typical or strong decay", lambda c: c.regime.decay in ("typical", "strong"),
-                   lambda c: c.replace(regime={"decay": "mild"})),
-    Simplification("scale", "input scale != 1", lambda c: c.regime.scale != 1.0,
-                   lambda c: c.replace(regime={"scale": 1.0})),
-    Simplification("batch", "batch > 1", lambda c: c.batch > 1, _first_row),
-)
-BY_KEY = {s.key: s for s in SIMPLIFICATIONS}
-
-# harness.case.features() names -> simplification keys (capabilities speak the former)
-FEATURE_KEYS = {"D_head": "D", "D_channel": "D"}
-
-
-def simplify(case: Case, key: str) -> Optional[Case]:
-    """``case`` with feature ``key`` switched off, or None when it does not apply or cannot be expressed."""
-    from harness.case import CaseError
-
-    s = BY_KEY[key]
-    if not s.applies(case):
-        return None
-    try:
-        out = s.apply(case)
-    except CaseError:
-        return None
-    return out if out != case else None
-
+# ---- features ----------------------------------------------------------------------------------------------
 
 def fit_case(case: Case, impls, device: str) -> Optional[Case]:
-    """``case`` with the features some implementation cannot express switched off (the simplifications
-    above) and, if a size limit still rejects it, dstate / headdim nudged up to the nearest accepted; None
-    when it still falls outside one's capabilities (entry, dtype, a limit)."""
-    for _ in range(len(SIMPLIFICATIONS)):
-        changed = False
+    """``case`` with the features some implementation cannot express switched off (harness/features.py) and,
+    if a size limit still rejects it, dstate / headdim nudged up to the nearest accepted; None when it still
+    falls outside one's capabilities (entry, dtype, a limit)."""
+    for _ in range(len(FEATURES)):
+        before = case
         for impl in impls:
             cap = impl.capabilities
-            wanted = set(features(case) & cap.unsupported)
+            wanted = set(present(case) & cap.unsupported)
             if case.backward and not cap.backward:
                 wanted.add("backward")
-            for name in sorted(wanted):
-                key = FEATURE_KEYS.get(name, name)
-                if case.entry == "split_conv1d" and key == "D":
-                    key = "D_channel"
-                if key not in BY_KEY:
-                    continue
-                smaller = simplify(case, key)
-                if smaller is not None:
-                    case, changed = smaller, True
-        if not changed:
+            case = without(case, wanted)
+        if case == before:
             break
     if not any(impl.skip_reason(case, device) for impl in impls):
         return case
     # A size limit (e.g. conv channels % 8 == 0 for causal_conv1d): nudge dstate and headdim up a little.
-    from harness.case import CaseError
-
     for extra_p in range(4):
         for extra_n in range(8):
             try:
@@ -185,27 +61,28 @@ def fit_case(case: Case, impls, device: str) -> Optional[Case]:
 
 def minimal_trigger(case: Case, still_diverges: Callable[[Case], bool],
                     budget_runs: Optional[int] = None) -> dict:
-    """Switch features off one at a time, keeping each simplification under which ``still_diverges`` holds.
+    """Switch features off one at a time (in harness/features.py's order), keeping each switch-off under which
+    ``still_diverges`` holds.
     Returns {"trigger": [keys], "labels": [...], "minimal_case": Case dict, "tried": [{key, kept}], "text"}."""
     current = case
     trigger, tried = [], []
     runs = 0
-    for s in SIMPLIFICATIONS:
-        candidate = simplify(current, s.key)
+    for f in FEATURES:
+        candidate = switch_off(current, f.key)
         if candidate is None:
             continue
         if budget_runs is not None and runs >= budget_runs:
-            tried.append({"feature": s.key, "result": "not tried (run budget spent)"})
-            trigger.append(s.key)
+            tried.append({"feature": f.key, "result": "not tried (run budget spent)"})
+            trigger.append(f.key)
             continue
         runs += 1
         persists = still_diverges(candidate)
-        tried.append({"feature": s.key, "result": "divergence persists without it" if persists
+        tried.append({"feature": f.key, "result": "divergence persists without it" if persists
                       else "divergence vanishes without it"})
         if persists:
             current = candidate
         else:
-            trigger.append(s.key)
+            trigger.append(f.key)
     labels = [BY_KEY[k].label for k in trigger]
     if labels:
         text = "trigger: " + " together with ".join(labels) if len(labels) <= 2 else \
@@ -297,19 +174,6 @@ def _ranges(values) -> str:
     return ", ".join(parts)
 
 
-def _segment_of(case: Case):
-    """Per (row, token): (ordinal of its sequence in the row, offset from that sequence's start) or None."""
-    out = []
-    pads = case.padding or (0,) * case.batch
-    for row, pad in zip(case.segments, pads):
-        marks = []
-        for k, n in enumerate(row):
-            marks.extend((k, off) for off in range(n))
-        marks.extend([None] * pad)
-        out.append(marks)
-    return out
-
-
 def coordinates(t: TensorVerdict, case: Case) -> dict:
     """Where tensor ``t``'s out-of-budget elements are, from its error map."""
     if t.ratio_map is None:
@@ -323,33 +187,17 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         return res
     heads, groups, batches, tokens, chunks, parts = set(), set(), set(), set(), set(), set()
     per_row_tokens: dict = {}
-    channels = t.layout.channels if t.layout is not None else ()
+    map_axes = TensorAxes(axes, t.axes.channels if t.axes is not None else ())
     for coord in idx:
-        for axis, i in zip(axes, coord):
-            if axis == "batch":
-                batches.add(i)
-            elif axis == "head":
-                heads.add(i)
-                groups.add(i // case.heads_per_group)
-            elif axis == "group":
-                groups.add(i)
-            elif axis == "token":
-                tokens.add(i)
-                chunks.add(i // case.chunk_size)
-            elif axis == "chunk":
-                chunks.add(i)
-            elif axis == "channel" and channels:
-                part, k = channels[i]
-                parts.add(part)
-                if part in ("z", "x", "dt", "ssm"):
-                    heads.add(k)
-                    groups.add(k // case.heads_per_group)
-                elif part in ("B", "C"):
-                    groups.add(k)
-        if "batch" in axes and "token" in axes:
-            per_row_tokens.setdefault(coord[axes.index("batch")], set()).add(coord[axes.index("token")])
+        where = coordinates_of(coord, map_axes, case)
+        for key, found in (("batch", batches), ("head", heads), ("group", groups), ("token", tokens),
+                           ("chunk", chunks), ("part", parts)):
+            if key in where:
+                found.add(where[key])
+        if "batch" in where and "token" in where:
+            per_row_tokens.setdefault(where["batch"], set()).add(where["token"])
     words = []
-    head_axis = "head" in axes or any(p in ("z", "x", "dt", "ssm") for p in parts)
+    head_axis = "head" in axes or any(p in HEAD_PARTS for p in parts)
     if head_axis and heads:
         res["heads"] = sorted(heads)
         res["nheads"] = case.nheads
@@ -383,7 +231,7 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         words.append(f"tokens {_ranges(tokens)}" if len(tokens) <= 12 else
                      f"{len(tokens)} tokens from {min(tokens)} to {max(tokens)}")
     if case.segments is not None and (tokens or chunks):
-        marks = _segment_of(case)
+        marks = token_sequences(case)
         if per_row_tokens:
             members = [marks[b][tok] for b, toks in per_row_tokens.items() for tok in toks if marks[b][tok]]
         else:   # chunk-indexed: the sequence at each chunk's first token
@@ -555,5 +403,5 @@ def _config_sweep(examiner, case: Case, spec: str) -> dict:
     return configs(per_index)
 
 
-__all__ = ["SIMPLIFICATIONS", "simplify", "fit_case", "minimal_trigger", "stages", "coordinates", "configs",
+__all__ = ["fit_case", "minimal_trigger", "stages", "coordinates", "configs",
            "sides", "describe_primary", "investigate"]

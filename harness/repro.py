@@ -25,9 +25,10 @@ import torch
 
 from harness import inputs as inputs_module
 from harness import runtime, standins
+from harness.axes import axes_of
 from harness.case import Case
 from harness.inputs import CHUNK_SCAN_DIFFERENTIABLE, SPLIT_CONV1D_DIFFERENTIABLE, Inputs
-from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, layout_of, storage_dtype
+from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, storage_dtype
 
 TEMPLATE = Path(__file__).parent / "templates" / "repro.py.j2"
 
@@ -229,13 +230,13 @@ def allowed_errors(case: Case, inputs: Inputs, truth, base, factor: float) -> di
     bases = list(base) if isinstance(base, (list, tuple)) else [base]
     for kind, key, short, t in items:
         samples = [(e.outputs if kind == "output" else e.grads)[short] for e in bases]
-        layout = layout_of(kind, short, case)
-        mask = judged_mask(kind, short, case, inputs, layout, t.shape)
+        axes = axes_of(kind, short, case)
+        mask = judged_mask(kind, short, case, inputs, axes, t.shape)
         judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(t.device)
         finite = torch.isfinite(t)
         for s in samples:
             finite &= torch.isfinite(s)
-        budget = element_budget(t, [s.to(torch.float64) for s in samples], judged & finite, layout, case,
+        budget = element_budget(t, [s.to(torch.float64) for s in samples], judged & finite, axes, case,
                                 UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)[0]
         out[key] = float(budget[judged & finite].max()) if bool((judged & finite).any()) else 0.0
     return out

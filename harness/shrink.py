@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from harness.case import Case, CaseError, features
+from harness.case import Case, CaseError
+from harness.features import feature, present, switch_off
 
 @dataclass
 class Step:
@@ -36,7 +37,7 @@ class Shrunk:
 
     def irrelevant_features(self) -> list:
         """Features of the original that the minimal case no longer has: the divergence did not need them."""
-        return sorted(features(self.original) - features(self.minimal))
+        return sorted(present(self.original) - present(self.minimal))
 
 
 def _try(case: Case, change: str, **fields) -> Optional[tuple]:
@@ -58,8 +59,9 @@ def _smaller(value: int, floor: int = 1) -> list:
     return out
 
 
-def _without_sequences(case: Case) -> dict:
-    return dict(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
+def _switched_off(case: Case, key: str) -> Optional[tuple]:
+    smaller = switch_off(case, key)
+    return None if smaller is None else (feature(key).off, smaller)
 
 
 def _fit_segments(case: Case, seqlen: int) -> dict:
@@ -84,19 +86,21 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
     return out
 
 
+# The features the minimizer switches off, in the order it tries them.
+FEATURE_STEPS = ("seq_idx", "padding", "seq_idx_start", "initial_states", "z", "dt_limit", "rmsnorm", "d_nonssm",
+                 "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
+                 "backward", "final_states", "D", "D_channel")
+
+
 def candidates(case: Case) -> Iterator[tuple]:
     """(change, smaller Case) pairs, biggest reductions first; each is valid."""
     tries = []
     # sizes
-    if case.batch > 1:
-        rows = {}
-        if case.segments is not None:
-            rows = dict(segments=case.segments[:1], padding=None if case.padding is None else case.padding[:1])
-        tries.append(_try(case, "batch -> 1", batch=1, **rows))
+    tries.append(_switched_off(case, "batch"))
     for L in _smaller(case.seqlen):
         tries.append(_try(case, f"seqlen {case.seqlen} -> {L}", seqlen=L, **_fit_segments(case, L)))
         if case.segments is not None:
-            tries.append(_try(case, f"seqlen {case.seqlen} -> {L}, no seq_idx", seqlen=L, **_without_sequences(case)))
+            tries.append(_try(switch_off(case, "seq_idx"), f"seqlen {case.seqlen} -> {L}, no seq_idx", seqlen=L))
     for h in _smaller(case.nheads):
         for g in sorted({case.ngroups, 1, h} | {d for d in range(1, h + 1) if h % d == 0 and d <= case.ngroups}):
             if h % g == 0:
@@ -118,27 +122,8 @@ def candidates(case: Case) -> Iterator[tuple]:
             tries.append(_try(case, f"out_dim {case.out_dim} -> 1", out_dim=1))
         if case.d_nonssm > 1:
             tries.append(_try(case, f"d_nonssm {case.d_nonssm} -> 1", d_nonssm=1))
-    # features
-    if case.segments is not None:
-        tries.append(_try(case, "no seq_idx", **_without_sequences(case)))
-        if case.padding:
-            segs = tuple(row[:-1] + (row[-1] + pad,) for row, pad in zip(case.segments, case.padding))
-            tries.append(_try(case, "no padding", segments=segs, padding=None))
-        if case.seq_idx_start:
-            tries.append(_try(case, "seq_idx starts at 0", seq_idx_start=0))
-    off = [("initial_states", False, "no initial states"), ("has_z", False, "no z"),
-           ("dt_limit", None, "no dt_limit"), ("rmsnorm", False, "no rmsnorm"), ("d_nonssm", 0, "no SwiGLU branch"),
-           ("out_dim", None, "no out_proj"), ("outproj_bias", False, "no out_proj bias"),
-           ("varlen_states", False, "no varlen states"), ("final_state_grad", False, "no final-state gradient"),
-           ("has_dt_bias", False, "no dt_bias"), ("dt_softplus", False, "no softplus")]
-    for name, value, change in off:
-        extra = {"outproj_bias": False} if name == "out_dim" else {}
-        tries.append(_try(case, change, **{name: value}, **extra))
-    if case.backward:
-        tries.append(_try(case, "forward only", pass_="forward", final_state_grad=False))
-    tries.append(_try(case, "no final states", return_final_states=False, final_state_grad=False))
-    tries.append(_try(case, "D none" if case.entry == "chunk_scan" else "D per head",
-                      D="none" if case.entry == "chunk_scan" else "head"))
+    # features switched off (harness/features.py), then plainer settings
+    tries.extend(_switched_off(case, key) for key in FEATURE_STEPS)
     if case.D == "channel":
         tries.append(_try(case, "D per head", D="head"))
     if case.entry == "split_conv1d":
@@ -148,11 +133,12 @@ def candidates(case: Case) -> Iterator[tuple]:
         tries.append(_try(case, f"{case.dtype} -> float32", dtype="float32"))
     # regime: plainer values
     r = case.regime
-    for field_name, plain, change in (("layout", "contiguous", "contiguous inputs"), ("dt_large", False, "dt below 20"),
-                                      ("decay", "typical", "typical decay"), ("values", "integer", "integer values"),
-                                      ("scale", 1.0, "scale 1")):
+    tries.append(_switched_off(case, "strided"))
+    tries.append(_switched_off(case, "dt_large"))
+    for field_name, plain, change in (("decay", "typical", "typical decay"), ("values", "integer", "integer values")):
         if getattr(r, field_name) != plain:
             tries.append(_try(case, change, regime=dataclasses.replace(r, **{field_name: plain})))
+    tries.append(_switched_off(case, "scale"))
     if case.seed != 0:
         tries.append(_try(case, "seed -> 0", seed=0))
     seen = set()

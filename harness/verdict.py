@@ -1,47 +1,10 @@
 """The verdict: is an implementation's result within the error its dtype naturally makes?
 
-One rule for every output tensor, gradient and stage intermediate, for every shape, length and decay regime;
-harness/README.md ("The verdict") has the long form and the measurements.
-
-The rule
---------
-For a tensor with float64 oracle value ``t`` and the same-precision baseline samples ``b_k``
-(harness/baseline.py: a model chunked kernel computing the same case in float32 with the case dtype's
-rounding at every product operand and stored intermediate — TF32 products for fp32 on a GPU — evaluated
-once rounding to nearest, twice with every rounding point perturbed by one unit roundoff, and twice at
-neighbouring inputs — each input moved one rounding step, the sample's error being the model's error against
-the oracle there, so an input where the model is exact by chance does not set the noise level), the budget of
-element ``e`` is
-
-    budget_e = FACTOR * ( max_{cell(e)} max_k |b_k - t|  +  u * (|t_e| + mean_{cell(e)} |t|) )
-
-- a **cell** is the block of elements sharing a batch row, a chunk of ``chunk_size`` tokens and a head (or
-  group, or the channels of one head in the mixer's channel-packed tensors); headdim, dstate and positions
-  inside a chunk are reduced. The largest baseline error over the cell is the local noise level (one
-  element's error is noisy; a whole tensor's would let one loud head hide a quiet one). Cells smaller than
-  MIN_CELL elements are merged (across chunks, then heads, then batch rows);
-- ``u`` is the unit roundoff of the tensor's storage dtype (2^-24 fp32, 2^-11 fp16, 2^-8 bf16; stages use
-  the case dtype): the **rounding floor**, which admits an implementation that computes exactly and rounds
-  once, and keeps the budget positive where the baseline happens to be exact;
-- ``FACTOR`` = 4: healthy kernels need at most 2 (mamba_ssm 2.3.2.post1 mamba_chunk_scan_combined with
-  gradients, fp32 and fp16, 145 generated cases: 2.0 for one fp16 gradient, 1.3 for fp32; float32 oracles and
-  a toy kernel: up to 2.3), so 4 leaves a 2x margin. FlashAttention's rule allows 2x a baseline's max error,
-  dynamo's ``same`` 2-3x a baseline's RMS; this one is per cell, so it takes a little more.
-
-The verdict reports ``ratio = max_e |a_e - t_e| / budget_e`` (below 1: within budget; 40: broken), how many
-elements are out of budget, the worst element and where it is, the error as max abs and relative RMS, and the
-baseline's relative RMS for scale. Kept apart from "diverged":
-
-- ``nonfinite``: NaN or Inf where the oracle and the baseline are finite;
-- ``mismatch``: a missing output or gradient, a wrong shape, or a wrong dtype (y and gradients in the dtype
-  of their input, final/varlen states in float32; float64 results, the oracles', are accepted);
-- ``error`` (the implementation raised), ``crash`` (its process died: abort, segfault, a poisoned CUDA
-  context), ``hang`` (it ran past the timeout): harness/isolate.py produces the last two.
-
-Not judged: outputs and stage intermediates at padding tokens (seq_idx = -1) — their values are unspecified
-(the output cotangent is zero there, so gradients, which are judged everywhere, see none of them) — and C.B^T
-entries no token uses (j > i, across a sequence boundary, past the end). Elements out of the dtype's range
-(the oracle beyond its largest value, or a baseline sample overflowing) are excluded and counted.
+`judge` compares every output, gradient and stage intermediate with the float64 oracle and reports each as a
+ratio to a per-element budget (below 1: within it), derived from a same-precision baseline
+(harness/baseline.py) in budget cells (`cell_ids`), with NaN/Inf, mismatches and failed runs kept apart as
+statuses of their own; `disagreement` compares two implementations the same way. The rule, its constants
+(FACTOR, MIN_CELL) and their calibration: harness/README.md, "The verdict".
 """
 
 from __future__ import annotations
@@ -52,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from harness.axes import TensorAxes, axes_of, coordinates_of
 from harness.case import Case
 from harness.inputs import Inputs, torch_dtype
 
@@ -79,92 +43,6 @@ def severity(status: str) -> int:
     return STATUSES.index(status)
 
 
-# ---- what each tensor's axes mean ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Layout:
-    """One label per dimension: batch, token, chunk, head, group, seq, channel, and reduced ones (p, n, i, j,
-    tap, out). ``channels``: for a channel axis, one (part, index) per channel — part is z / x / dt / ssm
-    (index = head), B / C (index = group), swiglu or out (index 0)."""
-
-    axes: tuple
-    channels: tuple = ()
-
-
-def _mixer_channels(case: Case, parts) -> tuple:
-    out = []
-    for part, width in parts:
-        for c in range(width):
-            if part in ("z", "x", "ssm"):
-                out.append((part, c // case.headdim))
-            elif part in ("B", "C"):
-                out.append((part, c // case.dstate))
-            elif part == "dt":
-                out.append((part, c))
-            else:
-                out.append((part, 0))
-    return tuple(out)
-
-
-def layout_of(kind: str, name: str, case: Case) -> Layout:
-    """The axes of output / grad / stage ``name`` for ``case`` (the oracle's layouts)."""
-    gn = case.ngroups * case.dstate
-    ssm_width = ((("swiglu", case.d_nonssm),) if case.d_nonssm else ()) + (("ssm", case.dim),)
-    conv_parts = (("x", case.dim), ("B", gn), ("C", gn))
-    if kind == "output" or (kind == "stage" and name == "y"):
-        if name == "y":
-            if case.entry == "chunk_scan":
-                return Layout(("batch", "token", "head", "p"))
-            if case.out_dim is not None:
-                return Layout(("batch", "token", "channel"), _mixer_channels(case, (("out", case.out_dim),)))
-            return Layout(("batch", "token", "channel"), _mixer_channels(case, ssm_width))
-        if name == "final_states":
-            return Layout(("batch", "head", "p", "n"))
-        if name == "varlen_states":
-            return Layout(("seq", "head", "p", "n"))
-    if kind == "grad":
-        if name in ("x", "z"):
-            return Layout(("batch", "token", "head", "p"))
-        if name == "dt":
-            return Layout(("batch", "token", "head"))
-        if name in ("B", "C"):
-            return Layout(("batch", "token", "group", "n"))
-        if name in ("A", "dt_bias"):
-            return Layout(("head",))
-        if name == "D":
-            return Layout(("head",) if case.D == "head" else ("head", "p"))
-        if name == "initial_states":
-            return Layout(("batch", "head", "p", "n"))
-        if name == "zxbcdt":
-            parts = ((("swiglu", 2 * case.d_nonssm),) if case.d_nonssm else ()) + (("z", case.dim),) + conv_parts \
-                + (("dt", case.nheads),)
-            return Layout(("batch", "token", "channel"), _mixer_channels(case, parts))
-        if name == "conv1d_weight":
-            return Layout(("channel", "tap"), _mixer_channels(case, conv_parts))
-        if name == "conv1d_bias":
-            return Layout(("channel",), _mixer_channels(case, conv_parts))
-        if name == "rmsnorm_weight":
-            return Layout(("channel",), _mixer_channels(case, (("ssm", case.dim),)))
-        if name == "outproj_weight":
-            return Layout(("out", "channel"), _mixer_channels(case, ssm_width))
-        if name == "outproj_bias":
-            return Layout(("out",))
-    if kind == "stage":
-        if name == "conv":
-            return Layout(("batch", "token", "channel"), _mixer_channels(case, conv_parts))
-        if name in ("dt", "dA_cumsum"):
-            return Layout(("batch", "token", "head"))
-        if name in ("chunk_states", "passed_states"):
-            return Layout(("batch", "chunk", "head", "p", "n"))
-        if name == "CB":
-            return Layout(("batch", "chunk", "group", "i", "j"))
-        if name in ("scan", "skip", "gated"):
-            return Layout(("batch", "token", "head", "p"))
-        if name == "normed":
-            return Layout(("batch", "token", "channel"), _mixer_channels(case, ssm_width))
-    raise KeyError(f"no layout for {kind} {name!r}")
-
-
 def expected_dtype(kind: str, name: str, case: Case, inputs: Inputs) -> Optional[torch.dtype]:
     """The dtype an implementation must return ``name`` in (None: not checked, e.g. stages)."""
     if kind == "output":
@@ -181,18 +59,18 @@ def storage_dtype(kind: str, name: str, case: Case, inputs: Inputs) -> torch.dty
 
 # ---- which elements are judged ---------------------------------------------------------------------------
 
-def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, layout: Layout, shape) -> Optional[torch.Tensor]:
+def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, axes: TensorAxes, shape) -> Optional[torch.Tensor]:
     """Boolean mask of judged elements, or None for all. Excludes padding tokens of outputs and stages and the
     C.B^T entries no token uses."""
     device = inputs.device
     if kind == "grad":
         return None
     seq = inputs.seq_idx
-    if "token" in layout.axes and seq is not None and bool((seq < 0).any()):
+    if "token" in axes.names and seq is not None and bool((seq < 0).any()):
         real = (seq >= 0)                                             # (b, L)
         view = [1] * len(shape)
-        view[layout.axes.index("batch")] = shape[layout.axes.index("batch")]
-        view[layout.axes.index("token")] = shape[layout.axes.index("token")]
+        view[axes.names.index("batch")] = shape[axes.names.index("batch")]
+        view[axes.names.index("token")] = shape[axes.names.index("token")]
         return real.reshape(view).expand(shape).to(device)
     if kind == "stage" and name == "CB":
         b, c, g, Q, _ = shape
@@ -211,7 +89,7 @@ def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, layout: Layout
 
 # ---- cells ---------------------------------------------------------------------------------------------
 
-def _axis_cell_index(axis: str, size: int, case: Case, layout: Layout, device) -> Optional[torch.Tensor]:
+def _axis_cell_index(axis: str, size: int, case: Case, axes: TensorAxes, device) -> Optional[torch.Tensor]:
     """Per-position cell coordinate along one axis (None: reduced inside a cell)."""
     ar = torch.arange(size, device=device)
     if axis == "token":
@@ -220,7 +98,7 @@ def _axis_cell_index(axis: str, size: int, case: Case, layout: Layout, device) -
         return ar
     if axis == "channel":
         keys = {}
-        return torch.tensor([keys.setdefault(ch, len(keys)) for ch in layout.channels], device=device)
+        return torch.tensor([keys.setdefault(ch, len(keys)) for ch in axes.channels], device=device)
     return None
 
 
@@ -228,17 +106,17 @@ def _axis_cell_index(axis: str, size: int, case: Case, layout: Layout, device) -
 _COARSEN = (("token", "chunk"), ("head", "group", "channel"), ("batch", "seq"))
 
 
-def cell_ids(shape, layout: Layout, case: Case, device, min_cell: int = MIN_CELL) -> torch.Tensor:
+def cell_ids(shape, axes: TensorAxes, case: Case, device, min_cell: int = MIN_CELL) -> torch.Tensor:
     """An int64 tensor of ``shape``: the budget cell of each element (dense ids from 0)."""
     numel = math.prod(shape) if shape else 1
     dropped: set = set()
     for level in range(len(_COARSEN) + 1):
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
         ncells = 1
-        for dim, (axis, size) in enumerate(zip(layout.axes, shape)):
+        for dim, (axis, size) in enumerate(zip(axes.names, shape)):
             if axis in dropped:
                 continue
-            coord = _axis_cell_index(axis, size, case, layout, device)
+            coord = _axis_cell_index(axis, size, case, axes, device)
             if coord is None:
                 continue
             view = [1] * len(shape)
@@ -282,7 +160,7 @@ class TensorVerdict:
     baseline_rel_rms: float = 0.0
     worst: Optional[dict] = None
     detail: str = ""
-    layout: Optional[Layout] = None
+    axes: Optional[TensorAxes] = None
     ratio_map: Optional[torch.Tensor] = field(default=None, repr=False)
     map_axes: tuple = ()
 
@@ -339,49 +217,25 @@ def _json_float(x):
     return x
 
 
-def _coords(index, layout: Layout, case: Case) -> dict:
-    """Human coordinates of one element: batch, token (and its chunk), head, group, ..."""
-    out = {}
-    for axis, i in zip(layout.axes, index):
-        if axis == "token":
-            out["token"] = i
-            out["chunk"] = i // case.chunk_size
-        elif axis == "channel" and layout.channels:
-            part, k = layout.channels[i]
-            out["channel"] = i
-            if part in ("z", "x", "dt", "ssm"):
-                out["head"] = k
-                out["group"] = k // case.heads_per_group
-            elif part in ("B", "C"):
-                out["group"] = k
-            out["part"] = part
-        elif axis == "head":
-            out["head"] = i
-            out["group"] = i // case.heads_per_group
-        elif axis in ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out"):
-            out[axis] = i
-    return out
-
-
 def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.Tensor, case: Case,
                  inputs: Inputs, factor: float = FACTOR, reference: Optional[torch.Tensor] = None) -> TensorVerdict:
     """Judge one tensor. ``actual`` may be None (missing), any dtype/device; truth and base are float64.
     ``reference``: measure the error against it instead of ``truth`` (the budget still comes from truth and
     base) — used to compare two implementations."""
     short = name.split(".", 1)[-1]
-    layout = layout_of(kind, short, case)
+    axes = axes_of(kind, short, case)
     if actual is None:
         return TensorVerdict(name, kind, "mismatch", math.inf, detail="missing: the implementation did not return it",
-                             layout=layout)
+                             axes=axes)
     if not isinstance(actual, torch.Tensor):
-        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+        return TensorVerdict(name, kind, "mismatch", math.inf, axes=axes,
                              detail=f"expected a tensor, got {type(actual).__name__}")
     if tuple(actual.shape) != tuple(truth.shape):
-        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+        return TensorVerdict(name, kind, "mismatch", math.inf, axes=axes,
                              detail=f"shape {tuple(actual.shape)}, expected {tuple(truth.shape)}")
     want = expected_dtype(kind, short, case, inputs)
     if want is not None and actual.dtype != want and actual.dtype != torch.float64:
-        return TensorVerdict(name, kind, "mismatch", math.inf, layout=layout,
+        return TensorVerdict(name, kind, "mismatch", math.inf, axes=axes,
                              detail=f"dtype {str(actual.dtype).replace('torch.', '')}, expected "
                                     f"{str(want).replace('torch.', '')}")
     device = truth.device
@@ -390,7 +244,7 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     b = [x.detach().to(device=device, dtype=torch.float64) for x in (base if isinstance(base, (list, tuple))
                                                                       else [base])]
     ref = t if reference is None else reference.detach().to(device=device, dtype=torch.float64)
-    mask = judged_mask(kind, short, case, inputs, layout, t.shape)
+    mask = judged_mask(kind, short, case, inputs, axes, t.shape)
     judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(device)
     # Out of the dtype's range: the oracle beyond the storage dtype's largest value, or a baseline overflow.
     in_range = torch.isfinite(ref) & (t.abs() <= torch.finfo(storage_dtype(kind, short, case, inputs)).max)
@@ -410,23 +264,23 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
             kinds.append("NaN")
         if bool(torch.isinf(a[bad]).any()):
             kinds.append("Inf")
-        where = ", ".join(f"{k} {v}" for k, v in _coords(first, layout, case).items())
-        inf_map, map_axes = _reduce_map(torch.where(bad, math.inf, 0.0).to(torch.float64), layout)
+        where = ", ".join(f"{k} {v}" for k, v in coordinates_of(first, axes, case).items())
+        inf_map, map_axes = _reduce_map(torch.where(bad, math.inf, 0.0).to(torch.float64), axes)
         return TensorVerdict(name, kind, "nonfinite", math.inf, judged=n_judged, out_of_budget=count,
                              ratio_map=inf_map, map_axes=map_axes,
-                             excluded=excluded, out_of_range=out_of_range, layout=layout,
+                             excluded=excluded, out_of_range=out_of_range, axes=axes,
                              detail=(f"{count:,} / {n_judged:,} elements are {' and '.join(kinds)} where the oracle "
                                      f"is finite; the first at index {first} ({where}), expected {float(ref[first]):.6g}"),
-                             worst={"index": list(first), "coords": _coords(first, layout, case),
+                             worst={"index": list(first), "coords": coordinates_of(first, axes, case),
                                     "actual": _json_float(a[first]), "expected": float(ref[first])})
 
     zero = torch.zeros((), dtype=torch.float64, device=device)
     err = torch.where(judged, (a - ref).abs(), zero)
-    budget, noise, ids, berr, tabs = element_budget(t, b, judged, layout, case,
+    budget, noise, ids, berr, tabs = element_budget(t, b, judged, axes, case,
                                                     UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)
     ratio = torch.where(judged & (err > 0), err / budget.clamp(min=torch.finfo(torch.float64).tiny), zero)
 
-    tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, layout=layout)
+    tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, axes=axes)
     if n_judged == 0:
         return tv
     tv.ratio = float(ratio.max())
@@ -438,21 +292,21 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     tv.baseline_rel_rms = float(berr.pow(2).sum().sqrt()) / scale
     flat = int(ratio.reshape(-1).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape))
-    tv.worst = {"index": list(index), "coords": _coords(index, layout, case), "actual": float(a[index]),
+    tv.worst = {"index": list(index), "coords": coordinates_of(index, axes, case), "actual": float(a[index]),
                 "expected": float(ref[index]), "error": float(err[index]), "budget": float(budget[index]),
                 "baseline_error": float(berr[index]), "cell_noise": float(noise[ids[index]])}
     tv.status = "diverged" if tv.ratio > 1.0 else "ok"
-    tv.ratio_map, tv.map_axes = _reduce_map(ratio, layout)
+    tv.ratio_map, tv.map_axes = _reduce_map(ratio, axes)
     return tv
 
 
-def element_budget(t, b, judged, layout: Layout, case: Case, u: float, factor: float = FACTOR):
-    """The budget of every element (see the module docstring) for oracle ``t`` and baseline samples ``b``
+def element_budget(t, b, judged, axes: TensorAxes, case: Case, u: float, factor: float = FACTOR):
+    """The budget of every element (harness/README.md, "The verdict") for oracle ``t`` and baseline samples ``b``
     (a list of tensors). Returns (budget, cell noise, cell ids, baseline error, |t|), masked by ``judged``."""
     zero = torch.zeros((), dtype=torch.float64, device=t.device)
     berr = torch.where(judged, torch.stack([(x - t).abs() for x in b]).amax(0), zero)
     tabs = torch.where(judged, t.abs(), zero)
-    ids = cell_ids(tuple(t.shape), layout, case, t.device)
+    ids = cell_ids(tuple(t.shape), axes, case, t.device)
     ncells = int(ids.max().item()) + 1 if ids.numel() else 1
     noise = _scatter(berr, ids, ncells, "amax")
     counts = _scatter(judged.to(torch.float64), ids, ncells, "sum")
@@ -467,12 +321,12 @@ def budget_rule(factor: float = FACTOR) -> str:
             f"(batch row, chunk, head) + unit roundoff x (|expected| + the cell's mean |expected|))")
 
 
-def _reduce_map(ratio: torch.Tensor, layout: Layout):
+def _reduce_map(ratio: torch.Tensor, axes: TensorAxes):
     """Max ratio over the non-local axes: a small map over (batch, token/chunk, head/group/channel, seq)."""
-    keep = [i for i, a in enumerate(layout.axes) if a in LOCAL_AXES]
+    keep = [i for i, a in enumerate(axes.names) if a in LOCAL_AXES]
     drop = [i for i in range(ratio.dim()) if i not in keep]
     m = ratio.amax(dim=drop) if drop else ratio
-    return m.to("cpu", torch.float32), tuple(layout.axes[i] for i in keep)
+    return m.to("cpu", torch.float32), tuple(axes.names[i] for i in keep)
 
 
 # ---- a whole run -----------------------------------------------------------------------------------------

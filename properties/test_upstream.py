@@ -76,7 +76,8 @@ from harness import runtime
 runtime.configure()                     # before any kernel module is imported
 
 from harness.evaluation import differentiate  # noqa: E402
-from harness.case import Case, Regime, features  # noqa: E402
+from harness.case import Case, Regime  # noqa: E402
+from harness.features import without  # noqa: E402
 from harness.impls import all_implementations, get  # noqa: E402
 from harness.impls.generic import CallableImplementation  # noqa: E402
 from harness.impls.mamba_ssm import row_decay  # noqa: E402
@@ -230,46 +231,6 @@ def check_against_oracle(impl, case: Case, device: str, config: runtime.Choice =
 
 # ---- generating cases within an implementation's capabilities --------------------------------------------
 
-def _without_padding(case: Case) -> dict:
-    segments = tuple(row[:-1] + (row[-1] + pad,) for row, pad in zip(case.segments, case.padding))
-    return dict(segments=segments, padding=None)
-
-
-# feature -> the Case changes that switch it off (harness.case.features names)
-SWITCH_OFF = {
-    "D_head": lambda c: dict(D="none"),
-    "D_channel": lambda c: dict(D="none"),
-    "z": lambda c: dict(has_z=False),
-    "dt_bias": lambda c: dict(has_dt_bias=False),
-    "dt_softplus": lambda c: dict(dt_softplus=False),
-    "dt_limit": lambda c: dict(dt_limit=None),
-    "initial_states": lambda c: dict(initial_states=False),
-    "varlen_states": lambda c: dict(varlen_states=False),
-    "seq_idx": lambda c: dict(segments=None, padding=None, seq_idx_start=0, varlen_states=False),
-    "padding": _without_padding,
-    "seq_idx_start": lambda c: dict(seq_idx_start=0),
-    "final_states": lambda c: dict(return_final_states=False, final_state_grad=False),
-    "final_state_grad": lambda c: dict(final_state_grad=False),
-    "d_nonssm": lambda c: dict(d_nonssm=0),
-    "rmsnorm": lambda c: dict(rmsnorm=False, norm_before_gate=True),
-    "out_proj": lambda c: dict(out_dim=None, outproj_bias=False),
-    "groups": lambda c: dict(ngroups=1),
-    "strided": lambda c: dict(regime={"layout": "contiguous"}),
-    "ragged": lambda c: dict(seqlen=max(c.chunk_size, c.seqlen - c.seqlen % c.chunk_size), segments=None,
-                             padding=None, seq_idx_start=0, varlen_states=False),
-}
-# Switch off in this order: the ones that change the shape of other fields first.
-ORDER = ("ragged", "seq_idx", "padding", "seq_idx_start", "varlen_states", "final_states", "final_state_grad")
-
-
-def narrow(case: Case, unsupported: frozenset) -> Case:
-    """The drawn case with every feature the implementation cannot express switched off (generation-time)."""
-    for name in sorted(unsupported, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n)):
-        if name in features(case) and name in SWITCH_OFF:
-            case = case.replace(**SWITCH_OFF[name](case))
-    return case
-
-
 def fit_conv_channels(case: Case, bounds: Bounds) -> Case:
     """The nearest (headdim, dstate) with (dim + 2*ngroups*dstate) % 8 == 0 (causal_conv1d's layout)."""
     if case.conv_channels % 8 == 0:
@@ -301,7 +262,7 @@ def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
     entry = draw(st.sampled_from(sorted(cap.entries)))
     bounds = bounds_here()
     case = draw(cases(entry=entry, dtypes=(dtype,), bounds=bounds, backward=backward))
-    case = narrow(case, cap.unsupported)
+    case = without(case, cap.unsupported)
     if where is not None:
         case = where(case)
     if entry == "split_conv1d":
@@ -434,7 +395,7 @@ def pinned_cases(impl, dtype: str, backward: bool, device: str, where=None) -> l
             continue
         case = case.replace(dtype=dtype, pass_="backward" if backward else "forward",
                             final_state_grad=backward and case.return_final_states)
-        case = narrow(case, impl.capabilities.unsupported)
+        case = without(case, impl.capabilities.unsupported)
         if where is not None:
             case = where(case)
         if case.entry == "split_conv1d":
@@ -456,7 +417,7 @@ def seed_647_cases(device: str):
         case = draw(cases(entry="split_conv1d", dtypes=("float32",), bounds=bounds, backward=False))
         nheads = max(2, case.nheads - case.nheads % 2)
         ngroups = draw(st.sampled_from([g for g in range(2, nheads + 1) if nheads % g == 0]))
-        case = narrow(case.replace(nheads=nheads, ngroups=ngroups, rmsnorm=True), ref.capabilities.unsupported)
+        case = without(case.replace(nheads=nheads, ngroups=ngroups, rmsnorm=True), ref.capabilities.unsupported)
         case = fit_conv_channels(case, bounds)
         if runtime.interpreted():
             assume(case.batch * case.nheads * case.nchunks <= PROGRAM_BUDGET)

@@ -14,14 +14,14 @@ import torch
 from hypothesis import given
 
 from harness import baseline, doubles
+from harness.axes import TensorAxes, axes_of
 from harness.case import Case, Regime
 from harness.evaluation import Evaluation
 from harness.inputs import materialize
 from harness.localize import fit_case
 from harness.oracle import evaluate
 from harness.strategies import Bounds, cases
-from harness.verdict import (FACTOR, UNIT_ROUNDOFF, Layout, cell_ids, disagreement, element_budget, judge,
-                             judge_tensor, layout_of)
+from harness.verdict import FACTOR, UNIT_ROUNDOFF, cell_ids, disagreement, element_budget, judge, judge_tensor
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
 
@@ -66,8 +66,8 @@ def test_an_error_planted_at_one_element_is_reported_exactly():
     case = RICH.replace(pass_="forward", final_state_grad=False)
     inputs, truth, bases = prepared(case)
     t = truth.outputs["y"]
-    layout = layout_of("output", "y", case)
-    budget, *_ = element_budget(t, [b.outputs["y"] for b in bases], torch.ones_like(t, dtype=torch.bool), layout,
+    axes = axes_of("output", "y", case)
+    budget, *_ = element_budget(t, [b.outputs["y"] for b in bases], torch.ones_like(t, dtype=torch.bool), axes,
                                 case, UNIT_ROUNDOFF[torch.float16])
     where = (1, 17, 2, 1)
     for multiple, status in ((10.0, "diverged"), (0.5, "ok")):
@@ -170,10 +170,10 @@ def test_two_sides_disagreement_is_measured_against_their_joint_budget():
 
 def test_cells_follow_batch_chunk_and_head_and_merge_when_small():
     case = Case(batch=2, seqlen=64, nheads=4, headdim=8, dstate=4, chunk_size=16)
-    ids = cell_ids((2, 64, 4, 8), layout_of("output", "y", case), case, "cpu")
+    ids = cell_ids((2, 64, 4, 8), axes_of("output", "y", case), case, "cpu")
     assert int(ids.max()) + 1 == 2 * 4 * 4                 # batch x chunk x head, 128 elements each
     assert ids[0, 0, 0, 0] == ids[0, 15, 0, 7] != ids[0, 16, 0, 0]
-    tiny = cell_ids((4,), Layout(("head",)), case, "cpu")    # 1-element cells merge into one
+    tiny = cell_ids((4,), TensorAxes(("head",)), case, "cpu")    # 1-element cells merge into one
     assert int(tiny.max()) == 0
 
 

@@ -14,15 +14,16 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.case import Case, features
+from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
+from harness.features import present
 from harness.inputs import Inputs
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """entries: entry points it runs; dtypes / devices ("cpu", "cuda"); backward: has gradients;
-    unsupported: case features (harness.case.features names) it cannot express; stages: the stage
+    unsupported: keys of the case features (harness/features.py) it cannot express; stages: the stage
     intermediates it exposes; limits: extra checks, each ``case -> reason or None``."""
 
     entries: frozenset = frozenset({"chunk_scan"})
@@ -66,7 +67,7 @@ class Implementation:
             return f"{self.name} needs a {'GPU' if 'cuda' in cap.devices else 'CPU'} (device {kind!r} given)"
         if case.backward and not cap.backward:
             return f"{self.name} has no backward"
-        missing = sorted(features(case) & cap.unsupported)
+        missing = sorted(present(case) & cap.unsupported)
         if missing:
             return f"{self.name} cannot express: {', '.join(missing)}"
         for limit in cap.limits:

@@ -25,12 +25,11 @@ import torch.nn.functional as F
 
 from harness import runtime, upstream
 from harness.case import Case
+from harness.features import NEEDS_SEQ_IDX
 from harness.impls import register
 from harness.evaluation import Evaluation
 from harness.impls.base import Capabilities, Implementation
 from harness.inputs import Inputs
-
-NO_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
 
 
 def processed_dt(case: Case, dt: torch.Tensor, dt_bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -105,7 +104,7 @@ class FlaImplementation(Implementation):
                 dtypes = frozenset({"float32", "float16", "bfloat16"}) if self.gpu_only_reason else \
                     frozenset(runtime.runnable_dtypes())
             self._capabilities = Capabilities(dtypes=dtypes, devices=devices,
-                                              unsupported=frozenset() if self.has_cu_seqlens else NO_SEQ_IDX)
+                                              unsupported=frozenset() if self.has_cu_seqlens else NEEDS_SEQ_IDX)
         return self._capabilities
 
     def skip_reason(self, case: Case, device: str) -> Optional[str]:

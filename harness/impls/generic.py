@@ -20,17 +20,18 @@ from typing import Optional
 
 from harness import runtime, upstream
 from harness.evaluation import Evaluation
+from harness.features import NEEDS_SEQ_IDX
 from harness.impls.base import Capabilities, Implementation
 
-# parameter -> the harness.case.features() names it is needed for
+# parameter -> the features (harness/features.py keys) it is needed for
 FEATURE_PARAMS = {
-    "D": ("D_head", "D_channel"),
+    "D": ("D",),
     "z": ("z",),
     "dt_bias": ("dt_bias",),
     "dt_softplus": ("dt_softplus",),
     "dt_limit": ("dt_limit",),
     "initial_states": ("initial_states",),
-    "seq_idx": ("seq_idx", "padding", "seq_idx_start", "varlen_states"),
+    "seq_idx": NEEDS_SEQ_IDX,
     "return_final_states": ("final_states", "final_state_grad"),
     "cu_seqlens": ("varlen_states",),
     "return_varlen_states": ("varlen_states",),

@@ -34,6 +34,7 @@ import torch
 
 from harness import runtime, upstream
 from harness.case import Case
+from harness.features import NEEDS_SEQ_IDX
 from harness.impls import register
 from harness.evaluation import Evaluation
 from harness.impls.base import Capabilities, Implementation, limit
@@ -41,8 +42,6 @@ from harness.inputs import draw
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
-# Features of harness.case.features() that a seq_idx-free entry point cannot express.
-NO_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
 
 # mamba_chunk_scan and ssd_chunk_scan_combined_ref add dt_bias in torch and never clamp; the SSD map (and
 # mamba_chunk_scan_combined's kernel) clamps dt' at dt_limit's default low end 0. Only dt_bias without softplus
@@ -258,8 +257,8 @@ class ChunkScan(MambaImplementation):
     function_name = "mamba_chunk_scan"
 
     def detect(self, rel):
-        return self.declared(unsupported=NO_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
-                                                       "final_state_grad", "ragged"},
+        return self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
+                                                          "final_state_grad", "ragged"},
                              limits=(unclamped_dt, unstable_ddA))
 
     def refuses(self, backward, device, dtype=None):
@@ -280,8 +279,8 @@ class ChunkScanRef(ChunkScan):
     pure_torch = True
 
     def detect(self, rel):
-        caps = self.declared(unsupported=NO_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
-                                                       "final_state_grad", "ragged"},
+        caps = self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
+                                                          "final_state_grad", "ragged"},
                              limits=(unclamped_dt,))
         # exp of a positive segment sum overflows before the mask zeroes it: inf * 0 = NaN in the gradient. The
         # masked-out sums reach the whole row's decay (across chunks too), so a row whose sum of |dt A| passes
@@ -321,8 +320,8 @@ class SsdMinimal(MambaImplementation):
     needs = ("ssd_minimal",)
 
     def detect(self, rel):
-        return self.declared(unsupported=NO_SEQ_IDX | {"D_head", "D_channel", "z", "dt_bias", "dt_softplus",
-                                                       "dt_limit", "ragged"},
+        return self.declared(unsupported=NEEDS_SEQ_IDX | {"D", "z", "dt_bias", "dt_softplus", "dt_limit",
+                                                          "ragged"},
                              limits=(half_cumsum,))
 
     def forward(self, case, tensors, inputs, want_stages):
@@ -426,8 +425,8 @@ class SplitConv1dRef(MambaImplementation):
 
     def detect(self, rel):
         return self.declared(entries=frozenset({"split_conv1d"}),
-                             unsupported=NO_SEQ_IDX | {"initial_states", "final_states", "final_state_grad",
-                                                       "d_nonssm"})
+                             unsupported=NEEDS_SEQ_IDX | {"initial_states", "final_states", "final_state_grad",
+                                                          "d_nonssm"})
 
     def forward(self, case, tensors, inputs, want_stages):
         module = self.release.ssd_combined

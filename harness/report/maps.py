@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from harness.axes import TensorAxes, group_of, owner
 from harness.case import Case
 
 MAX_ROWS = 64
@@ -48,20 +49,16 @@ def _pool(t: torch.Tensor, dim: int, limit: int):
     return t.reshape(shape).amax(dim=dim + 1), width
 
 
-def _row_keys(axis: str, size: int, case: Case, channels: tuple) -> list:
+def _row_keys(axis: str, size: int, axes: TensorAxes) -> list:
     """One (label, kind, index) per position of the row axis; kind is head, group or other."""
-    if axis == "head":
-        return [(f"h{i}", "head", i) for i in range(size)]
-    if axis == "group":
-        return [(f"g{i}", "group", i) for i in range(size)]
     keys = []
-    for c, (part, k) in enumerate(channels):
-        if part in ("z", "x", "ssm", "dt"):
-            keys.append((f"{part} h{k}", "head", k))
-        elif part in ("B", "C"):
-            keys.append((f"{part} g{k}", "group", k))
-        else:                          # swiglu / out: one row per channel is too many; pooled below by MAX_ROWS
-            keys.append((f"{part} {c}", "other", c))
+    for i in range(len(axes.channels) if axis == "channel" else size):
+        kind, k, part = owner(axis, i, axes)
+        if kind == "other":            # swiglu / out: one row per channel is too many; pooled below by MAX_ROWS
+            label = f"{part} {k}"
+        else:
+            label = ("" if part is None else f"{part} ") + ("h" if kind == "head" else "g") + str(k)
+        keys.append((label, kind, k))
     return keys
 
 
@@ -72,14 +69,14 @@ def tensor_map(t, case: Case) -> Optional[dict]:
         return None
     m = m.to(torch.float32).clone()
     axes = list(t.map_axes)
-    channels = t.layout.channels if getattr(t, "layout", None) is not None else ()
+    tensor_axes = getattr(t, "axes", None) or TensorAxes(tuple(axes))
     out: dict = {"name": t.name, "status": t.status, "ratio": _round(t.ratio), "axes": axes}
 
     # ---- rows: the head / group / channel axis, channels collapsed to their (part, index) keys
     row_axis = next((a for a in ("head", "group", "channel") if a in axes), None)
     if row_axis is not None:
         dim = axes.index(row_axis)
-        keys = _row_keys(row_axis, m.shape[dim], case, channels)
+        keys = _row_keys(row_axis, m.shape[dim], tensor_axes)
         labels = list(dict.fromkeys(k[0] for k in keys))
         index = {lab: i for i, lab in enumerate(labels)}
         member = torch.tensor([index[k[0]] for k in keys])
@@ -152,30 +149,13 @@ def tensor_map(t, case: Case) -> Optional[dict]:
         full = torch.tensor(out["matrix"])
         groups = torch.zeros(case.ngroups, full.shape[1])
         for r, lab in enumerate(labels):
-            kind, k = row_kinds[lab]
-            if kind == "head":
-                g = k // case.heads_per_group
-            elif kind == "group":
-                g = k
-            else:
+            g = group_of(*row_kinds[lab], case)
+            if g is None:
                 continue
             groups[g] = torch.maximum(groups[g], full[r])
         if row_axis != "group":
             out["group_matrix"] = [[_round(float(v)) for v in row] for row in groups.tolist()]
     return out
-
-
-def jsonable(x):
-    """``x`` with non-finite floats as strings ("inf", "nan") and anything unknown as its str (strict JSON)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
 
 
 def error_maps(case: Case, verdicts: dict) -> dict:
@@ -191,4 +171,4 @@ def error_maps(case: Case, verdicts: dict) -> dict:
     return {"format": FORMAT, "chunk_size": case.chunk_size, "seqlen": case.seqlen, "sides": sides}
 
 
-__all__ = ["error_maps", "tensor_map", "jsonable", "MAX_ROWS", "MAX_COLS", "MAX_TOKENS"]
+__all__ = ["error_maps", "tensor_map", "MAX_ROWS", "MAX_COLS", "MAX_TOKENS"]

@@ -22,6 +22,7 @@ from typing import Optional
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from harness.case import Case, CaseError
+from harness.features import BY_KEY
 from harness.store import RunError, read_run
 from harness.oracle.result import STAGE_ORDER
 
@@ -190,8 +191,6 @@ def _features(loc: dict) -> Optional[dict]:
     features = (loc or {}).get("features")
     if not features:
         return None
-    from harness.localize import BY_KEY
-
     trigger = set(features.get("trigger") or [])
     rows = []
     for item in features.get("tried") or []:

@@ -1,0 +1,49 @@
+"""The feature table: each feature a case has can be switched off, the result is a valid Case without it and
+with nothing new, and everything that names features (capabilities, stages) names the table's."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from harness.features import FEATURES, KEYS, present, switch_off, without
+from harness.impls import all_implementations
+from harness.oracle.result import STAGE_ORDER
+from harness.strategies import cases
+
+ANY_CASE = cases(dtypes=("float32", "float16", "bfloat16"))
+
+
+def cannot_go_alone(case, key) -> bool:
+    """The two switch-offs that may have no valid result: a ragged chunk whose segments cannot give up the
+    tokens, and final states while varlen states are on."""
+    return (key == "ragged" and case.segments is not None) or (key == "final_states" and case.varlen_states)
+
+
+@given(ANY_CASE)
+def test_every_feature_a_case_has_switches_off_to_a_valid_case_without_it_and_nothing_new(case):
+    had = present(case)
+    for key in had:
+        off = switch_off(case, key)
+        if off is None:
+            assert cannot_go_alone(case, key), f"{key} could not be switched off in {case.describe()}"
+            continue
+        assert key not in present(off), f"{key} is still present after switching it off: {off.describe()}"
+        assert present(off) <= had - {key}, f"switching {key} off added {sorted(present(off) - had)}"
+    for key in set(KEYS) - had:
+        assert switch_off(case, key) is None
+
+
+@given(ANY_CASE, st.sets(st.sampled_from(KEYS)))
+def test_without_leaves_on_only_what_cannot_be_switched_off(case, keys):
+    narrowed = without(case, keys)
+    assert present(narrowed) <= present(case)
+    for key in keys & present(narrowed):
+        assert switch_off(narrowed, key) is None, f"without() left {key} on in {narrowed.describe()}"
+
+
+def test_capabilities_and_stages_name_the_tables_keys():
+    for impl in all_implementations():
+        unknown = impl.capabilities.unsupported - set(KEYS)
+        assert not unknown, f"{impl.name}: unsupported names no feature: {sorted(unknown)}"
+    for f in FEATURES:
+        assert f.stage is None or f.stage in STAGE_ORDER, f"{f.key}: stage {f.stage!r} is not a pipeline stage"
+    assert len(KEYS) == len(FEATURES)
