@@ -157,6 +157,7 @@ def cmd_fuzz(args) -> int:
         timeout=getattr(args, "timeout", 300.0), keep_going=getattr(args, "keep_going", False),
         seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
         minimize=not getattr(args, "no_minimize", False), bounds=bounds,
+        known=DEMO["known"] if demo else getattr(args, "known", "report"),
         oracle=getattr(args, "oracle", None) or "ref.chunked")
     try:
         fuzzer = Fuzzer(config)
@@ -179,8 +180,9 @@ def cmd_fuzz(args) -> int:
         if config.max_examples is not None:
             budget.append(f"{state['tried']}/{config.max_examples} cases")
         worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
+        known_text = f" | known {state['known']}" if state.get("known") else ""
         return Text(f"cases {state['tried']} (skipped {state['skipped']}) | worst ratio to budget: {worst} | "
-                    f"divergences {state['divergences']} | {', '.join(budget)}")
+                    f"divergences {state['divergences']}{known_text} | {', '.join(budget)}")
 
     class Line:
         def __rich__(self):
@@ -211,6 +213,19 @@ def cmd_fuzz(args) -> int:
             console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
         elif finding.minimize_problem:
             err_console.print(f"  minimize: {finding.minimize_problem}", highlight=False, soft_wrap=True)
+    if report.known:
+        console.rule("known defects of the installed releases")
+        for entry in report.known.values():
+            if entry["reproduced"]:
+                seen = (f"reproduced in {entry['reproduced']} case(s), first after {entry['first_after_s']:.1f} s: "
+                        f"{entry['first_case']}")
+            elif entry["matched_not_reproduced"]:
+                seen = f"predicate matched {entry['matched_not_reproduced']} time(s), not reproduced"
+            else:
+                seen = "predicate never matched"
+            if entry["reproduced"] and entry["matched_not_reproduced"]:
+                seen += f"; matched {entry['matched_not_reproduced']} more time(s) without diverging"
+            console.print(f"{entry['id']} ({entry['status']}): {seen}", highlight=False, soft_wrap=True)
     if report.report_path:
         console.print(f"report: {report.report_path}", highlight=False, soft_wrap=True)
     worst = ", ".join(f"{d} {w['ratio']:.3g}x ({w['tensor']}, {w['side']})" for d, w in sorted(report.worst.items()))
@@ -220,7 +235,10 @@ def cmd_fuzz(args) -> int:
         err_console.print(f"[yellow]{len(report.harness_errors)} case(s) failed inside ssdiff itself (not the "
                           f"implementation); the first: {report.harness_errors[0]['error']} (cases in summary.json)[/]",
                           highlight=False, soft_wrap=True)
-    verdict = (f"{len(report.findings)} divergence(s)" if report.findings else "no divergence")
+    known_cases = sum(entry["reproduced"] for entry in report.known.values())
+    verdict = (f"{len(report.findings)} new divergence(s)" if report.findings else "no new divergence")
+    if known_cases:
+        verdict += f" ({known_cases} case(s) of known defects)"
     console.print(f"{verdict}; output: {report.out_dir}/ (summary.json"
                   f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
                   soft_wrap=True)
@@ -229,8 +247,9 @@ def cmd_fuzz(args) -> int:
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,
 # forward only, until the seed divergence (SPEC.md section 2) is found or the time budget is spent.
+# The seed divergence is a known defect (harness/known.py); the demo finds it unaided (--known ignore).
 DEMO = {"impl": "mamba_ssm.split_conv1d_combined", "against": "mamba_ssm.split_conv1d_ref", "max_time": 120.0,
-        "pass_": "forward"}
+        "pass_": "forward", "known": "ignore"}
 
 
 def _add_fuzz_arguments(p, demo: bool = False):
@@ -267,6 +286,9 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
     p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
     p.add_argument("--no-minimize", action="store_true", help="do not minimize divergences (minimized.json, repro.py)")
+    p.add_argument("--known", choices=("report", "skip", "ignore"), default="report",
+                   help="known upstream defects (`ssdiff known`): report (judge and label them; default), skip "
+                        "(leave their cases out), ignore (do not consult the registry: they count as new)")
     p.add_argument("--oracle", choices=ORACLES, default=None, help="the float64 truth (default ref.chunked)")
     for name in ("batch", "seqlen", "nheads", "headdim", "dstate"):
         p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",
@@ -360,6 +382,33 @@ def cmd_replay(args) -> int:
     return 1 if outcome.diverged else 0
 
 
+def cmd_known(args) -> int:
+    """The known-defect registry (harness/known.py) for the installed releases: one line per defect with its
+    status and the command that reproduces it; ``--case ID`` prints that defect's example case as JSON."""
+    from harness import known, runtime
+    from harness.impls import get
+
+    runtime.configure()
+    if args.case:
+        if args.case not in known.BY_ID:
+            print(f"ssdiff known: no defect {args.case!r} (known: {', '.join(known.BY_ID)})", file=sys.stderr)
+            return 2
+        print(known.BY_ID[args.case].example.to_json())
+        return 0
+    names = {get(name).name for name in args.impl} if args.impl else None
+    for d in known.DEFECTS:
+        if names is not None and not names & set(d.implementations):
+            continue
+        version = known.installed_version(d.package)
+        installed = f"{d.package} {version} {'affected' if d.affects(version) else 'not affected'}" if version \
+            else f"{d.package} not installed"
+        console.print(f"{d.id} ({d.status}): {', '.join(d.implementations)}; {d.releases}; {installed}\n"
+                      f"  {d.statement}\n  reproduce: ssdiff known --case {d.id} > case.json && "
+                      f"ssdiff replay case.json --impl {d.implementations[0]}", highlight=False, markup=False,
+                      soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -394,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="output folder (default: the case's folder)")
             p.add_argument("--max-runs", type=int, default=300, help="at most this many candidate runs")
         p.set_defaults(func=func)
+    p = sub.add_parser("known", help="the known upstream defects (registry), for the installed releases")
+    p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation's (repeatable)")
+    p.add_argument("--case", metavar="ID", help="print defect ID's example case (JSON) and exit")
+    p.set_defaults(func=cmd_known)
     p = sub.add_parser("report", help="render saved runs (fuzz output directories) as self-contained HTML pages")
     p.add_argument("runs", nargs="+", metavar="DIR", help="a saved run: summary.json and divergence-*/ folders")
     p.add_argument("--reports", default=None, metavar="ROOT",

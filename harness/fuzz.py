@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from harness import localize, oracle, runtime, store
+from harness import known, localize, oracle, runtime, store
 from harness.examine import Examiner, Outcome, UsageError
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases
@@ -64,6 +64,9 @@ class FuzzConfig:
     isolate: bool = False
     timeout: float = 300.0
     keep_going: bool = False
+    # Known upstream defects (harness/known.py): "report" judges and labels them, "skip" leaves their cases out,
+    # "ignore" does not consult the registry (a divergence it would match counts as new).
+    known: str = "report"
     seed: Optional[int] = None
     localize: bool = True
     # Minimize each divergence found (minimized.json, minimized-verdict.json, repro.py in its folder).
@@ -107,6 +110,7 @@ class FuzzReport:
     stopped: str = ""
     first_divergence_s: Optional[float] = None
     report_path: Optional[str] = None
+    known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
 
     @property
     def exit_code(self) -> int:
@@ -130,6 +134,7 @@ class FuzzReport:
                              "summary": f.localization.get("text", ""),
                              "minimized": f.minimized.minimal.describe() if f.minimized else None,
                              "minimize_problem": f.minimize_problem or None} for f in self.findings],
+            "known_policy": cfg.known, "known": list(self.known.values()),
             "python": platform.python_version(), "platform": platform.platform(),
             "environment": environment(cfg.device),
         }
@@ -153,6 +158,8 @@ class Fuzzer:
         self.impls = self.examiner.impls
         if cfg.pass_ not in PASSES:
             raise UsageError(f"--pass must be one of {', '.join(PASSES)}, got {cfg.pass_!r}")
+        if cfg.known not in known.KNOWN_POLICIES:
+            raise UsageError(f"--known must be one of {', '.join(known.KNOWN_POLICIES)}, got {cfg.known!r}")
         if not (cfg.autotune in AUTOTUNE_POLICIES or (isinstance(cfg.autotune, int) and cfg.autotune >= 0)):
             raise UsageError(f"--autotune must be tuned, random, sweep or a config index, got {cfg.autotune!r}")
         if cfg.max_time is None and cfg.max_examples is None:
@@ -186,8 +193,39 @@ class Fuzzer:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
+        if cfg.known != "ignore":
+            for spec in self.examiner.sides:
+                for defect in known.affecting(spec):
+                    self.report.known.setdefault(defect.id, {
+                        "id": defect.id, "implementations": list(defect.implementations),
+                        "releases": defect.releases, "statement": defect.statement, "status": defect.status,
+                        "reproduced": 0, "matched_not_reproduced": 0, "first_example": None})
         self._start = None
         self._signatures: dict = {}
+
+    # ---- known defects ------------------------------------------------------------------------------------
+
+    def _known_defect(self, spec: str, case) -> Optional["known.KnownDefect"]:
+        return known.matching(spec, case) if self.config.known != "ignore" else None
+
+    def _note_known(self, outcome: Outcome) -> dict:
+        """Count what the registry explains in ``outcome``; return the failing sides it does not explain."""
+        unexplained = {}
+        for side, v in outcome.verdicts.items():
+            defect = self._known_defect(side, outcome.case)
+            if defect is None:
+                if not v.ok:
+                    unexplained[side] = v
+                continue
+            entry = self.report.known[defect.id]
+            if v.ok:
+                entry["matched_not_reproduced"] += 1
+                continue
+            entry["reproduced"] += 1
+            if entry["first_example"] is None:
+                entry.update(first_example=outcome.case.to_dict(), first_case=outcome.case.describe(),
+                             first_side=side, first_message=v.message(), first_after_s=round(self._elapsed(), 2))
+        return unexplained
 
     # ---- the campaign ------------------------------------------------------------------------------------
 
@@ -267,6 +305,7 @@ class Fuzzer:
         self.progress({"tried": r.tried, "skipped": r.skipped, "elapsed": self._elapsed(),
                        "max_time": self.config.max_time, "max_examples": self.config.max_examples,
                        "worst": r.worst, "divergences": len(r.findings),
+                       "known": sum(k["reproduced"] for k in r.known.values()),
                        "last": last.case.describe() if last else None})
 
     def _minimize(self, finding: Finding):
@@ -317,8 +356,13 @@ class Fuzzer:
             if case.entry not in self.entries:
                 return
             fitted = self.examiner.fit(case)
+            reason = None
             if fitted is None:
                 reason = next(iter(self.examiner.skip_reasons(case)), "outside the capabilities")
+            elif cfg.known == "skip":
+                defect = next(filter(None, (known.matching(s, fitted) for s in self.examiner.sides)), None)
+                reason = f"known defect {defect.id} (--known skip)" if defect else None
+            if reason:
                 self.report.skipped += 1
                 self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
                 return
@@ -335,7 +379,8 @@ class Fuzzer:
             self._note_ratios(outcome)
             ratio = outcome.worst_ratio()
             target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
-            if outcome.diverged:
+            new = self._note_known(outcome)
+            if new:
                 self._record(outcome)
                 self._write_summary()
                 if not cfg.keep_going:

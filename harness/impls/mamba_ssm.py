@@ -16,18 +16,13 @@ runs in its place and `Evaluation.notes` says so. What a release can express is 
 source, release number for seq_idx = -1 padding), and a case outside that is skipped with the reason. Nothing is
 reshaped to fit: an adapter only maps the Case's tensors onto the upstream call's arguments.
 
-Upstream defects are capability limits with the reason (each pinned by a strict xfail in
-properties/test_upstream.py, so a fixed release shows up as XPASS): #647 lives in split_conv1d_ref's domain and
-is excluded there by the property, not here, because the reference is what the seed compares against.
+Capabilities say only what a call can express. Upstream defects are records of harness/known.py: a case that
+hits one is run and judged like any other, and reported as that defect when it diverges.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-import dataclasses
-import functools
-import math
 from typing import Optional
 
 import torch
@@ -38,7 +33,6 @@ from harness.features import NEEDS_SEQ_IDX
 from harness.impls import register
 from harness.evaluation import Evaluation
 from harness.impls.base import Capabilities, Implementation, limit
-from harness.inputs import draw
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
@@ -52,6 +46,12 @@ unclamped_dt = limit(lambda c: c.has_dt_bias and not c.dt_softplus,
 conv_channels_8 = limit(lambda c: c.conv_channels % 8 != 0,
                         "needs conv channels (dim + 2*ngroups*dstate) % 8 == 0 (causal_conv1d's channel-last "
                         "layout)")
+
+
+def padding_limits(rel: upstream.MambaRelease) -> tuple:
+    """A release before seq_idx = -1 padding cannot express padded rows."""
+    why = rel.padding_reason()
+    return (limit(lambda c: bool(c.padding and any(c.padding)), why),) if why else ()
 
 
 class MambaImplementation(Implementation):
@@ -160,38 +160,14 @@ def scan_stages(rel: upstream.MambaRelease, case: Case, x, dt, A, B, C, D=None, 
     return stages
 
 
-# chunk_state_varlen adds the state passed into a sequence's last chunk only when the sequence began before that
-# chunk, so a first sequence (seq_idx 0) that ends inside the first chunk gets a varlen state without
-# initial_states, while y and final_states do use them (found by ssdiff; pinned by a strict xfail).
-varlen_drops_h0 = limit(lambda c: c.varlen_states and c.initial_states and c.seq_idx_start == 0
-                        and c.segments[0][0] <= c.chunk_size,
-                        "its varlen_states leave out initial_states when the first sequence ends inside the first "
-                        "chunk (chunk_state_varlen adds the passed state only to sequences begun in an earlier chunk)")
-
-
-# With seq_idx = -1 padding at the end of a row, final_states is exactly 0 (the forward chunk-state kernel skips
-# padding since PR #792), yet the backward still sends d(final_states) into that row's padding and real tokens:
-# the gradient of a constant is not 0 (found by ssdiff; pinned by a strict xfail).
-dfinal_into_padding = limit(lambda c: c.final_state_grad and bool(c.padding and any(c.padding)),
-                            "its backward sends the final-state gradient into rows that end in padding, whose "
-                            "final_states are 0 (the backward does not skip padding as the forward does)")
-
-
 class ChunkScanCombined(MambaImplementation):
     name = "mamba_ssm.chunk_scan_combined"
     description = "mamba_ssm mamba_chunk_scan_combined (Triton, fused; every feature; fwd + bwd)"
     function_name = "mamba_chunk_scan_combined"
 
     def detect(self, rel):
-        unsupported = set()
-        limits = []
-        if not rel.varlen_states:
-            unsupported.add("varlen_states")
-        else:
-            limits.append(varlen_drops_h0)
-        why = rel.padding_reason()
-        limits.append(limit(lambda c: bool(c.padding and any(c.padding)), why) if why else dfinal_into_padding)
-        return self.declared(unsupported=frozenset(unsupported), limits=tuple(limits), stages=SCAN_STAGES)
+        unsupported = set() if rel.varlen_states else {"varlen_states"}
+        return self.declared(unsupported=frozenset(unsupported), limits=padding_limits(rel), stages=SCAN_STAGES)
 
     def forward(self, case, tensors, inputs, want_stages):
         rel = self.release
@@ -220,37 +196,6 @@ class ChunkScanCombined(MambaImplementation):
 
 # ---- mamba_chunk_scan and ssd_chunk_scan_combined_ref ----------------------------------------------------
 
-EXP_OVERFLOW_F32 = math.log(torch.finfo(torch.float32).max)       # 88.72
-
-
-@functools.lru_cache(maxsize=512)
-def row_decay(case: Case) -> float:
-    """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
-    inputs (drawn deterministically from its seed, as every run gets them; cached: the limit is asked for the
-    same case while drawing, fitting and running it)."""
-    values = draw(case)[0]
-    dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
-    if case.dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
-    return float((dt * values["A"]).abs().sum(1).max())
-
-
-# mamba_chunk_scan's backward (chunk_scan's autograd function) gets d(dA_cumsum) from the formula its authors call
-# numerically unstable (ssd_combined.py: "ddA_cumsum = einsum(out, dout) - ddt * dt ... numerically unstable"):
-# with strong decay per step the true value is ~0 and the difference of O(|out|) terms leaves rounding noise
-# (measured: dA 6689x its budget and d(dt) 6x in fp16, d(dt) 1.2x in fp32). The fused combined path does not.
-unstable_ddA = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large),
-                     "its backward takes d(dA_cumsum) from the difference its authors call numerically unstable: "
-                     "under strong decay per step (decay=strong, or dt > 20) gradients carry rounding noise of the "
-                     "size of the outputs")
-# In bfloat16 the same difference is formed from outputs rounded to 8 bits, and the noise shows at typical decay
-# too (measured on an H200: d(dt) 0.251 relative RMS, 32 bf16 epsilons, at L=16, Q=16 — the edge of the bf16
-# per-token budget of 32 epsilons): the whole pass is refused (ChunkScan.refuses).
-UNSTABLE_DDA_BF16 = ("mamba_chunk_scan's backward takes d(dA_cumsum) from the difference its authors call numerically "
-                     "unstable, formed in bfloat16 from outputs rounded to 8 bits: its gradients carry rounding noise "
-                     "at any decay (measured on an H200: d(dt) 0.251 relative RMS, 32 bf16 epsilons, at typical decay)")
-
-
 class ChunkScan(MambaImplementation):
     name = "mamba_ssm.chunk_scan"
     description = "mamba_ssm mamba_chunk_scan (Triton, staged autograd functions; fwd + bwd)"
@@ -259,10 +204,7 @@ class ChunkScan(MambaImplementation):
     def detect(self, rel):
         return self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
                                                           "final_state_grad", "ragged"},
-                             limits=(unclamped_dt, unstable_ddA))
-
-    def refuses(self, backward, device, dtype=None):
-        return UNSTABLE_DDA_BF16 if backward and dtype == "bfloat16" else None
+                             limits=(unclamped_dt,))
 
     def forward(self, case, tensors, inputs, want_stages):
         fn = getattr(self.release.ssd_combined, self.function_name)
@@ -279,39 +221,12 @@ class ChunkScanRef(ChunkScan):
     pure_torch = True
 
     def detect(self, rel):
-        caps = self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
+        return self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
                                                           "final_state_grad", "ragged"},
                              limits=(unclamped_dt,))
-        # exp of a positive segment sum overflows before the mask zeroes it: inf * 0 = NaN in the gradient. The
-        # masked-out sums reach the whole row's decay (across chunks too), so a row whose sum of |dt A| passes
-        # ln(float32 max) = 88.72 goes NaN in every dtype, typical decay included (found on an H200 in bf16 at
-        # L=80; the predicate matched NaN / no NaN on all of 40 drawn cases on the CPU, fp32 and bf16).
-        overflow = limit(lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
-                                                   or row_decay(c) > EXP_OVERFLOW_F32),
-                         "its gradients go NaN once a row's total decay sum|dt A| passes 88.72 (decay=strong, dt > 20, "
-                         "or a long row): exp of the masked-out positive segment sums overflows float32 "
-                         "(known; not a gradient oracle)")
-        return dataclasses.replace(caps, limits=caps.limits + (overflow,))
-
-    def refuses(self, backward, device, dtype=None):
-        return None                  # plain torch autograd: not mamba_chunk_scan's unstable d(dA_cumsum)
 
 
 # ---- ssd_minimal_discrete --------------------------------------------------------------------------------
-
-# ssd_minimal_discrete takes A*dt in its one input dtype and sums it over each chunk there: with Mamba-2-typical
-# decay the chunk sum reaches ~20, where a half-precision ulp is ~0.01, so every decay factor is off by ~1%
-# (measured: final states 1.1e-2 relative in fp16; 7e-5 when the same fp16 inputs are computed in fp32). That
-# is the listing's design (its authors test it in fp32), pinned by a strict xfail in properties/test_upstream.py.
-# Strong decay and dt > 20 make the chunk sums larger still: on an H200 fp16 with strong decay and dt > 20 goes
-# non-finite (the fp16 cumsum overflows) and bf16 with mild decay and dt > 20 loses 2.7% on the final states;
-# both reproduce on the CPU (pure torch). Mild or no decay without dt > 20
-# passes in both dtypes (measured on 39 drawn CPU cases).
-half_cumsum = limit(lambda c: c.dtype != "float32" and (c.regime.decay in ("typical", "strong") or c.regime.dt_large),
-                    "cannot express typical or strong decay, or dt > 20, in float16/bfloat16: it sums A*dt over a "
-                    "chunk in the input dtype (a half-precision ulp at ~20 is 0.01, ~1% on every decay factor; larger "
-                    "sums lose more or overflow fp16; it is meant for fp32)")
-
 
 class SsdMinimal(MambaImplementation):
     name = "mamba_ssm.ssd_minimal"
@@ -321,8 +236,7 @@ class SsdMinimal(MambaImplementation):
 
     def detect(self, rel):
         return self.declared(unsupported=NEEDS_SEQ_IDX | {"D", "z", "dt_bias", "dt_softplus", "dt_limit",
-                                                          "ragged"},
-                             limits=(half_cumsum,))
+                                                          "ragged"})
 
     def forward(self, case, tensors, inputs, want_stages):
         fn = self.release.ssd_minimal.ssd_minimal_discrete
@@ -351,17 +265,6 @@ def _activation(case: Case):
     return "silu" if case.activation == "silu" else None
 
 
-# MambaSplitConv1dScanCombinedFn.backward handles the SwiGLU branch (d_nonssm > 0) only on the path Mamba2 modules
-# take (rmsnorm and out_proj): without out_proj it uses out0_recompute, made only when outproj_weight is given
-# (UnboundLocalError); with out_proj but no rmsnorm it recomputes only the SSM part of out_proj's input, so
-# d(outproj_weight) comes out (out_dim, dim) instead of (out_dim, d_nonssm + dim) (RuntimeError from autograd).
-# Found by ssdiff; pinned by strict xfails.
-swiglu_without_outproj = limit(lambda c: c.backward and c.d_nonssm > 0 and (c.out_dim is None or not c.rmsnorm),
-                               "its backward crashes with d_nonssm > 0 unless both rmsnorm and out_proj are given "
-                               "(no out_proj: UnboundLocalError on out0_recompute; no rmsnorm: d(outproj_weight) "
-                               "misses the SwiGLU columns)")
-
-
 class SplitConv1dCombined(MambaImplementation):
     name = "mamba_ssm.split_conv1d_combined"
     description = "mamba_ssm mamba_split_conv1d_scan_combined (the fused Mamba-2 mixer; fwd + bwd)"
@@ -369,15 +272,7 @@ class SplitConv1dCombined(MambaImplementation):
     uses = ("causal_conv1d",)
 
     def detect(self, rel):
-        limits = [conv_channels_8, swiglu_without_outproj]
-        if not rel.grouped_norm_backward:
-            limits.append(limit(lambda c: c.backward and c.rmsnorm and c.ngroups > 1,
-                                f"{rel.label}'s backward normalizes the gated RMSNorm over all of dim (it does not "
-                                f"pass group_size, its forward does): gradients with ngroups > 1 are wrong "
-                                f"(2.2.5 and later pass it; 2.0.4 and 2.1.0 do not)"))
-        why = rel.padding_reason()
-        limits.append(limit(lambda c: bool(c.padding and any(c.padding)), why) if why else dfinal_into_padding)
-        return self.declared(entries=frozenset({"split_conv1d"}), limits=tuple(limits),
+        return self.declared(entries=frozenset({"split_conv1d"}), limits=(conv_channels_8,) + padding_limits(rel),
                              stages=("conv",) + SCAN_STAGES[:-2] + ("skip",))
 
     def forward(self, case, tensors, inputs, want_stages):

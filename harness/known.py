@@ -1,0 +1,185 @@
+"""Known upstream defects: one record each, the data behind the "known" verdict, `ssdiff known` and FINDINGS.md.
+
+A defect is not a capability. An adapter's capabilities say only what its call can express (signature,
+layout, dtypes, devices); a case that hits a known defect is still run and judged. When it diverges on the
+affected side of an affected release it is reported as that defect (counted under its id, not stopping the
+campaign); when the predicate matches and it does not diverge, that is recorded too ("matched, not
+reproduced": the predicate is wider than the defect, or the release fixed it). A divergence no record
+matches is a new finding.
+
+Each record: ``id``; ``implementations`` (registry names); ``package`` and ``affected`` — the releases, as
+``(first, fixed)`` versions, ``fixed`` None while no release fixes it; ``applies(case)`` — the predicate;
+``statement`` (one line); ``status`` (found by ssdiff / reported upstream / fixed in a release / by design);
+``test`` (the property that pins it); ``example`` (a case it diverges on, minimized).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from harness.case import Case, Regime
+from harness.inputs import draw
+
+KNOWN_POLICIES = ("report", "skip", "ignore")
+
+# ln(float32 max): exp of a larger segment sum overflows.
+EXP_OVERFLOW_F32 = 88.72
+
+
+@dataclass(frozen=True)
+class KnownDefect:
+    id: str
+    implementations: tuple
+    package: str
+    affected: tuple                       # (first affected release, first fixed release or None)
+    applies: Callable[[Case], bool]
+    statement: str
+    status: str
+    test: str
+    example: Case
+
+    def affects(self, version: Optional[str]) -> bool:
+        """Is release ``version`` of the package affected (None: not installed)?"""
+        if version is None:
+            return False
+        from packaging.version import Version
+
+        first, fixed = self.affected
+        return Version(version) >= Version(first) and (fixed is None or Version(version) < Version(fixed))
+
+    @property
+    def releases(self) -> str:
+        first, fixed = self.affected
+        return f"{self.package} >= {first}" + (f", fixed in {fixed}" if fixed else " (no fixed release)")
+
+
+@functools.lru_cache(maxsize=512)
+def row_decay(case: Case) -> float:
+    """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
+    inputs (drawn deterministically from its seed; cached: asked for the same case while drawing and judging)."""
+    values = draw(case)[0]
+    dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
+    if case.dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    return float((dt * values["A"]).abs().sum(1).max())
+
+
+def _padded(case: Case) -> bool:
+    return bool(case.padding and any(case.padding))
+
+
+UPSTREAM_TESTS = "properties/test_upstream.py::test_known_defect_reproduces"
+
+DEFECTS = (
+    KnownDefect(
+        id="mamba-varlen-states-drop-initial-states",
+        implementations=("mamba_ssm.chunk_scan_combined",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: (c.varlen_states and c.initial_states and c.seq_idx_start == 0
+                           and c.segments[0][0] <= c.chunk_size),
+        statement="mamba_chunk_scan_combined's varlen_states leave out initial_states when the first sequence ends "
+                  "inside the first chunk (chunk_state_varlen adds the passed-in state only to sequences begun in an "
+                  "earlier chunk), while y and final_states use them",
+        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=19, nheads=3, ngroups=3, headdim=4, dstate=5, chunk_size=8, initial_states=True,
+                     segments=((4, 8, 7),), varlen_states=True, regime=Regime(decay="mild"), seed=12)),
+    KnownDefect(
+        id="mamba-final-state-gradient-into-padding",
+        implementations=("mamba_ssm.chunk_scan_combined", "mamba_ssm.split_conv1d_combined"), package="mamba-ssm",
+        affected=("2.2.6.post3", None),
+        applies=lambda c: c.final_state_grad and _padded(c),
+        statement="with seq_idx = -1 padding ending a row, final_states is 0 (the forward skips padding since "
+                  "PR #792) but the backward sends d(final_states) into that row's tokens",
+        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=16, nheads=2, headdim=3, dstate=4, chunk_size=8, segments=((6, 7),), padding=(3,),
+                     pass_="backward", final_state_grad=True, seed=3)),
+    KnownDefect(
+        id="mamba-swiglu-backward-without-out-proj",
+        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.backward and c.d_nonssm > 0 and (c.out_dim is None or not c.rmsnorm),
+        statement="mamba_split_conv1d_scan_combined's backward fails with d_nonssm > 0 unless both rmsnorm and "
+                  "out_proj are given (no out_proj: UnboundLocalError on out0_recompute; out_proj without rmsnorm: "
+                  "d(outproj_weight) misses the SwiGLU columns)",
+        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        example=Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
+                     pass_="backward")),
+    KnownDefect(
+        id="mamba-grouped-norm-backward",
+        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.0.0", "2.2.5"),
+        applies=lambda c: c.backward and c.rmsnorm and c.ngroups > 1,
+        statement="mamba_split_conv1d_scan_combined's backward normalizes the gated RMSNorm over all of dim (it "
+                  "does not pass group_size; its forward does): gradients with ngroups > 1 are wrong",
+        status="fixed in 2.2.5", test=UPSTREAM_TESTS,
+        example=Case(entry="split_conv1d", seqlen=8, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+                     rmsnorm=True, out_dim=4, pass_="backward", seed=5)),
+    KnownDefect(
+        id="mamba-ref-norm-over-whole-dim",
+        implementations=("mamba_ssm.split_conv1d_ref",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.rmsnorm and c.ngroups > 1,
+        statement="mamba_split_conv1d_scan_ref normalizes the gated RMSNorm over the whole dim instead of per group "
+                  "(dim // ngroups) when ngroups > 1; the fused mamba_split_conv1d_scan_combined is right",
+        status="reported upstream: state-spaces/mamba#647", test=UPSTREAM_TESTS,
+        example=Case(entry="split_conv1d", batch=1, seqlen=16, nheads=4, ngroups=2, headdim=4, dstate=4,
+                     chunk_size=8, rmsnorm=True, regime=Regime(decay="typical"))),
+    KnownDefect(
+        id="mamba-chunk-scan-unstable-ddA",
+        implementations=("mamba_ssm.chunk_scan",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large or c.dtype == "bfloat16"),
+        statement="mamba_chunk_scan's backward takes d(dA_cumsum) from einsum(out, dout) - ddt * dt, a difference "
+                  "its authors call numerically unstable: under strong decay per step (or in bfloat16 at any decay) "
+                  "its gradients carry rounding noise of the size of the outputs",
+        status="documented upstream (the authors' comment in ssd_combined.py)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=16, nheads=4, headdim=5, ngroups=4, dstate=4, chunk_size=16, dtype="float16",
+                     D="channel", return_final_states=False, pass_="backward", seed=49443,
+                     regime=Regime(decay="typical", dt_large=True, values="integer", scale=0.25, layout="strided"))),
+    KnownDefect(
+        id="mamba-chunk-scan-ref-nan-gradients",
+        implementations=("mamba_ssm.chunk_scan_ref",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
+                                          or row_decay(c) > EXP_OVERFLOW_F32),
+        statement="ssd_chunk_scan_combined_ref takes exp of every segment sum, masked-out positive ones included: "
+                  "once a row's total decay sum|dt A| passes 88.72 they overflow and the gradient is inf * 0 = NaN",
+        status="documented upstream (a reference, not a gradient oracle)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=8, nheads=2, headdim=1, dstate=1, chunk_size=8, return_final_states=False,
+                     regime=Regime(decay="strong"), pass_="backward")),
+    KnownDefect(
+        id="mamba-ssd-minimal-half-precision-chunk-sum",
+        implementations=("mamba_ssm.ssd_minimal",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.dtype != "float32" and (c.regime.decay in ("typical", "strong") or c.regime.dt_large),
+        statement="ssd_minimal_discrete sums A*dt over each chunk in its input dtype: in float16/bfloat16 with "
+                  "typical decay every decay factor is off by ~1%, and larger sums lose more or overflow fp16",
+        status="by design (the paper's listing, meant for float32)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=64, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=64, dtype="float16", D="none",
+                     has_dt_bias=False, dt_softplus=False, return_final_states=True, seed=0,
+                     regime=Regime(decay="strong", dt_large=True), pass_="backward")),
+)
+
+BY_ID = {d.id: d for d in DEFECTS}
+
+
+def installed_version(package: str) -> Optional[str]:
+    """The release of ``package`` the harness runs (None when it is not usable here)."""
+    from harness import upstream
+
+    if package == "mamba-ssm":
+        return upstream.mamba_ssm().version if upstream.mamba_ssm_problem() is None else None
+    if package == "fla-core":
+        return upstream.fla().version if upstream.fla_problem() is None else None
+    return None
+
+
+def affecting(impl: str) -> list:
+    """The defects of implementation ``impl`` in the installed release."""
+    return [d for d in DEFECTS if impl in d.implementations and d.affects(installed_version(d.package))]
+
+
+def matching(impl: str, case: Case) -> Optional[KnownDefect]:
+    """The known defect of ``impl``'s installed release whose predicate ``case`` satisfies, or None."""
+    return next((d for d in affecting(impl) if d.applies(case)), None)
+
+
+__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "installed_version",
+           "row_decay", "EXP_OVERFLOW_F32"]
