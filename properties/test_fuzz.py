@@ -145,13 +145,35 @@ def test_the_real_seed_divergence_is_found_and_its_stage_measured(tmp_path):
     intermediates (conv, the scan's output, the RMSNorm's output) are recorded, so the stage is measured."""
     good, bad = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
     finding = only_finding(fuzz(good, tmp_path, against=bad, max_examples=100, pass_="forward",
-                                dtypes=("float32",), seed=1))
+                                dtypes=("float32",), seed=1, known="ignore"))      # rediscovered unaided
     loc = finding.localization
     assert loc["sides"]["oracle_agrees_with"] == [good] and loc["sides"]["diverging"] == [bad]
     stages = loc["per_side"][bad]["stages"]
     assert stages["first"] == "normed" and not stages["inferred"], stages["text"]
     assert set(stages["within_budget"]) >= {"conv", "skip"}
     assert set(loc["features"]["trigger"]) == {"groups", "rmsnorm"}
+
+
+def test_a_known_defect_is_reported_as_known_and_the_campaign_goes_on(tmp_path):
+    """mamba_split_conv1d_scan_ref's norm over the whole dim (#647) is a registry record: with --known report its
+    cases are judged, counted under the defect's id with the first example, and the search goes on; with
+    --known skip they are left out with the reason."""
+    from harness import known
+
+    good, bad = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
+    defect = known.BY_ID["mamba-ref-norm-over-whole-dim"]
+    if not known.affecting(bad):
+        pytest.skip(f"the installed mamba-ssm ({known.installed_version('mamba-ssm')}) is not affected")
+    config = dict(against=bad, max_examples=25, pass_="forward", dtypes=("float32",), seed=1)
+    report = fuzz(good, tmp_path / "report", known="report", **config)
+    entry = report.known[defect.id]
+    assert report.exit_code == 0 and report.tried == 25 and entry["reproduced"] >= 1, report.stopped
+    assert defect.applies(Case.from_dict(entry["first_example"])) and entry["first_side"] == bad
+    summary = json.load(open(tmp_path / "report" / "summary.json", encoding="utf-8"))
+    assert {k["id"]: k["reproduced"] for k in summary["known"]}[defect.id] == entry["reproduced"]
+    skipped = fuzz(good, tmp_path / "skip", known="skip", **config)
+    assert skipped.known[defect.id]["reproduced"] == 0 and skipped.exit_code == 0
+    assert skipped.skip_reasons.get(f"known defect {defect.id} (--known skip)", 0) >= 1
 
 
 def test_a_bug_in_one_autotune_config_is_pinned_to_it(tmp_path):

@@ -32,7 +32,8 @@ FIGURE_BUDGET = 3_500_000
 RUN_RECORD = "run.json"
 # summary.json entries shown in the page's run table, in this order
 SETTINGS = ("impl", "against", "entry", "pass", "dtypes", "autotune", "isolate", "seed", "max_time_s", "max_examples",
-            "factor", "elapsed_s", "stopped", "first_divergence_after_s", "tests", "expected_divergences")
+            "factor", "known_policy", "elapsed_s", "stopped", "first_divergence_after_s", "tests",
+            "expected_divergences")
 
 
 def default_reports_root() -> str:
@@ -357,7 +358,10 @@ def build_page(run: dict, name: str) -> dict:
     by_side = [{"key": k, "ratio_text": fmt_ratio(i.get("ratio")), "ratio_style": ratio_style(i.get("ratio")),
                 "tensor": i.get("tensor"), "case": i.get("case")}
                for k, i in (summary.get("largest_ratio_by_side") or {}).items()]
+    known_cases = sum(k.get("reproduced", 0) for k in summary.get("known") or [])
     outcome = ("clean" if clean else f"{len(divergences)} divergence{'s' if len(divergences) != 1 else ''}")
+    if known_cases:
+        outcome += f", {known_cases} known"
     generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     ran = datetime.datetime.fromtimestamp(run["mtime"]).astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return {
@@ -368,6 +372,8 @@ def build_page(run: dict, name: str) -> dict:
         "by_dtype": by_dtype, "by_side": by_side, "divergences": divergences,
         "env": env, "versions": versions, "stand_ins_used": stand_ins_used,
         "skip_reasons": summary.get("skip_reasons") or {},
+        "known": summary.get("known") or [],
+        "known_cases": known_cases,
         "settings": [(k, summary.get(k)) for k in SETTINGS if summary.get(k) not in (None, [], "")],
     }
 
