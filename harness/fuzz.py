@@ -205,14 +205,11 @@ class Fuzzer:
 
     # ---- known defects ------------------------------------------------------------------------------------
 
-    def _known_defect(self, spec: str, case) -> Optional["known.KnownDefect"]:
-        return known.matching(spec, case) if self.config.known != "ignore" else None
-
     def _note_known(self, outcome: Outcome) -> dict:
         """Count what the registry explains in ``outcome``; return the failing sides it does not explain."""
         unexplained = {}
         for side, v in outcome.verdicts.items():
-            defect = self._known_defect(side, outcome.case)
+            defect = known.matching(side, outcome.case) if self.config.known != "ignore" else None
             if defect is None:
                 if not v.ok:
                     unexplained[side] = v
