@@ -87,8 +87,9 @@ class Outcome:
         """Which side fails, how, and in which tensors: divergences with one signature are one bucket."""
         return tuple((side, v.status, tuple(sorted(failing_tensors(v)))) for side, v in self.failing.items())
 
-    def worst_ratio(self) -> float:
-        finite = [v.ratio for v in self.verdicts.values() if math.isfinite(v.ratio)]
+    def worst_ratio(self, excluding=()) -> float:
+        """The largest finite ratio to budget over the sides (but those in ``excluding``)."""
+        finite = [v.ratio for side, v in self.verdicts.items() if side not in excluding and math.isfinite(v.ratio)]
         return max(finite, default=0.0)
 
 

@@ -205,24 +205,23 @@ class Fuzzer:
 
     # ---- known defects ------------------------------------------------------------------------------------
 
-    def _note_known(self, outcome: Outcome) -> dict:
-        """Count what the registry explains in ``outcome``; return the failing sides it does not explain."""
-        unexplained = {}
+    def _note_known(self, outcome: Outcome) -> set:
+        """Count what the registry explains in ``outcome``; return the sides whose divergence it explains."""
+        explained = set()
         for side, v in outcome.verdicts.items():
             defect = known.matching(side, outcome.case) if self.config.known != "ignore" else None
             if defect is None:
-                if not v.ok:
-                    unexplained[side] = v
                 continue
             entry = self.report.known[defect.id]
             if v.ok:
                 entry["matched_not_reproduced"] += 1
                 continue
             entry["reproduced"] += 1
+            explained.add(side)
             if entry["first_example"] is None:
                 entry.update(first_example=outcome.case.to_dict(), first_case=outcome.case.describe(),
                              first_side=side, first_message=v.message(), first_after_s=round(self._elapsed(), 2))
-        return unexplained
+        return explained
 
     # ---- the campaign ------------------------------------------------------------------------------------
 
@@ -374,10 +373,11 @@ class Fuzzer:
                 return
             self.report.tried += 1
             self._note_ratios(outcome)
-            ratio = outcome.worst_ratio()
+            explained = self._note_known(outcome)
+            # Known defects do not steer the search: it climbs toward the largest error nothing explains.
+            ratio = outcome.worst_ratio(excluding=explained)
             target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
-            new = self._note_known(outcome)
-            if new:
+            if set(outcome.failing) - explained:
                 self._record(outcome)
                 self._write_summary()
                 if not cfg.keep_going:
