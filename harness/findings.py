@@ -95,8 +95,8 @@ DRAFTS = {
               "ngroups > 1",
         should="The backward normalizes per group of dim // ngroups channels, as the forward does.",
         code_path="`mamba_ssm/ops/triton/ssd_combined.py`, `MambaSplitConv1dScanCombinedFn.backward`: its "
-                  "`_layer_norm_bwd(...)` call passed no `group_size` (the forward's `_layer_norm_fwd` call passes `group_size=dim // ngroups`); "
-                  "2.2.5 passes `group_size=dim//ctx.ngroups`."),
+                  "`_layer_norm_bwd(...)` call passed no `group_size` (the forward's `_layer_norm_fwd` call passes "
+                  "`group_size=dim // ngroups`); the fixed releases pass `group_size=dim//ctx.ngroups`."),
 }
 
 
@@ -174,6 +174,7 @@ def _json(data) -> str:
 def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int = MAX_RUNS) -> dict:
     """Minimize ``defect.example`` with the installed release and write its folder; the finding record."""
     import torch
+    import triton
 
     from harness.minimize import NotDiverging, minimize
 
@@ -182,7 +183,7 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
     folder.mkdir(parents=True, exist_ok=True)
     record = {"id": defect.id, "example": defect.example.to_dict(), "implementation": defect.implementations[0],
               "release": f"{defect.package} {version}", "torch": torch.__version__,
-              "triton": _dist_version("triton")}
+              "triton": triton.__version__}
     with tempfile.TemporaryDirectory(prefix="ssdiff-finding-") as scratch:
         try:
             result = minimize(defect.example, defect.implementations[0], device="cpu", out_dir=scratch,
@@ -231,13 +232,6 @@ def compute(defects=None, root: Path = FINDINGS_DIR, max_runs: int = MAX_RUNS, e
         record = compute_here(defect, root, max_runs)
         print(f"{defect.id}: {record['release']}: "
               + (f"repro exits {record['repro_exit']}" if record["reproduces"] else record["why"]), flush=True)
-
-
-def _dist_version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 # ---- render (fast, pure): FINDINGS.md from the registry and reports/findings/ -------------------------------
