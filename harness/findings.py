@@ -1,0 +1,384 @@
+"""The findings catalogue: FINDINGS.md and reports/findings/<id>/, generated from the known-defect registry.
+
+    python -m harness.findings            minimize every finding's example, write its files, render FINDINGS.md
+    python -m harness.findings --render   render FINDINGS.md from what reports/findings/ holds (fast)
+    python -m harness.findings --check    exit 1 when FINDINGS.md is not what --render would write
+
+Two steps, so that the staleness check needs no kernel run. ``compute`` (slow) minimizes a record's example
+against the float64 oracle (harness/minimize.py) with a release the record says is affected — the installed
+one, else one installed beside it (``release_dirs``, in a child process: one mamba_ssm per process) — and
+writes reports/findings/<id>/: case.json (the minimized case, or the example when no affected release is
+installed or the example does not diverge there), finding.json (where it was minimized, what diverged, the
+repro's exit status then) and repro.py (harness/repro.py). ``render`` (pure) writes FINDINGS.md from the
+registry, those files and DRAFTS below.
+
+A finding is a record whose status starts with "found by ssdiff", or one fixed in a release (its repro shows
+the fix: it fails on an affected release and passes on the fixed one). The other records are listed in a short
+table. DRAFTS holds, per finding, what an upstream report adds to the record: its title, what should happen,
+and where in mamba_ssm the defect lives (named from the release's source, quoting at most a line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+from harness.case import Case
+from harness.known import BY_ID, DEFECTS, KnownDefect, installed_version
+
+REPO = Path(__file__).resolve().parents[1]
+FINDINGS_DIR = REPO / "reports" / "findings"
+CATALOGUE = REPO / "FINDINGS.md"
+CASE_FILE, RECORD_FILE, REPRO_FILE = "case.json", "finding.json", "repro.py"
+MAX_RUNS = 200
+REPRO_NEEDS = "torch, triton, einops and mamba-ssm"
+# The line of repro.py that changes every day: two files differing only there are the same repro.
+_WRITTEN_ON = re.compile(r"^Written by ssdiff .* on \d{4}-\d{2}-\d{2}\.$", re.M)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What an upstream report adds to a registry record."""
+
+    title: str
+    should: str            # what should happen
+    code_path: str         # the upstream file and function the defect lives in
+
+
+DRAFTS = {
+    "mamba-varlen-states-drop-initial-states": Draft(
+        title="mamba_chunk_scan_combined: return_varlen_states leaves out initial_states when the first sequence "
+              "ends in the first chunk",
+        should="varlen_states[0] is the state at the end of the first sequence, started from initial_states "
+               "exactly as y and final_states are: exp(sum of dt*A over the sequence) * initial_states plus the "
+               "sequence's own contribution. With a single sequence it equals final_states.",
+        code_path="`mamba_ssm/ops/triton/ssd_chunk_state.py`, `_chunk_state_varlen_kernel` (launched by "
+                  "`chunk_state_varlen`, called from `_mamba_chunk_scan_combined_fwd` in `ssd_combined.py` when "
+                  "`cu_seqlens` is given). The kernel adds the passed state of the sequence's last chunk — which "
+                  "for chunk 0 is `initial_states` — only under `if start_idx < pid_c * chunk_size:`, false for "
+                  "a sequence that starts at token 0 and ends in chunk 0, so the initial state is dropped there."),
+    "mamba-final-state-gradient-into-padding": Draft(
+        title="mamba_chunk_scan_combined backward: d(final_states) leaks into seq_idx = -1 padding tokens",
+        should="final_states of a row that ends in padding is 0 whatever the padding tokens hold, so "
+               "d(final_states) contributes nothing to the padding tokens' d(x), d(dt) and d(B) (0 in the float64 "
+               "reference): the backward gives them no part in final_states, as the forward does.",
+        code_path="The backward of the last chunk's state: `mamba_ssm/ops/triton/ssd_combined.py`, "
+                  "`_chunk_scan_chunk_state_bwd_dx_kernel` (d(x), d(dt)), and `ssd_chunk_state.py`, "
+                  "`_chunk_state_bwd_db_kernel` (d(B)), weight token m by `seq_idx_m == seq_idx_last` only, "
+                  "while the forward `_chunk_state_fwd_kernel` (since PR #792) also requires the chunk's last "
+                  "token to be a real one: `(seq_idx_last >= 0) & (seq_idx_k == seq_idx_last)`. When the row ends "
+                  "in padding, `seq_idx_last` is -1 and every padding token of the chunk receives d(final_states) "
+                  "through `_state_passing_bwd_kernel`'s `dfinal_states`."),
+    "mamba-swiglu-backward-without-out-proj": Draft(
+        title="mamba_split_conv1d_scan_combined backward fails with d_nonssm > 0 unless rmsnorm_weight and "
+              "outproj_weight are both given",
+        should="The backward runs whenever the forward does and returns the SwiGLU branch's gradients "
+               "(d(zxbcdt)'s first 2 * d_nonssm columns and, with out_proj, d(outproj_weight)'s first d_nonssm "
+               "columns) for every combination of rmsnorm and out_proj.",
+        code_path="`mamba_ssm/ops/triton/ssd_combined.py`, `MambaSplitConv1dScanCombinedFn.backward`: "
+                  "`_swiglu_bwd(zx0, dout0, dxy=dzx0, recompute_output=True, out=out0_recompute)` reads "
+                  "`out0_recompute`, which is assigned only when `outproj_weight is not None` "
+                  "(UnboundLocalError without out_proj); without rmsnorm, `out_for_linear` is the scan's "
+                  "recomputed output alone (`rest[0]`, dim columns), so d(outproj_weight) has no SwiGLU columns."),
+    "mamba-grouped-norm-backward": Draft(
+        title="mamba_split_conv1d_scan_combined backward: gated RMSNorm normalized over all of dim when "
+              "ngroups > 1",
+        should="The backward normalizes per group of dim // ngroups channels, as the forward does.",
+        code_path="`mamba_ssm/ops/triton/ssd_combined.py`, `MambaSplitConv1dScanCombinedFn.backward`: its "
+                  "`_layer_norm_bwd(...)` call passed no `group_size` (the forward's `_layer_norm_fwd` call passes "
+                  "`group_size=dim // ngroups`); the fixed releases pass `group_size=dim//ctx.ngroups`."),
+}
+
+
+def is_finding(defect: KnownDefect) -> bool:
+    """Gets a folder, a repro and (when not fixed) a draft upstream report."""
+    return defect.status.startswith("found by ssdiff") or defect.affected[1] is not None
+
+
+def finding_dir(defect_id: str, root: Path = FINDINGS_DIR) -> Path:
+    return Path(root) / defect_id
+
+
+# ---- releases ----------------------------------------------------------------------------------------------
+
+def release_dirs() -> list:
+    """Directories holding one more mamba-ssm release each (``pip install --target DIR mamba-ssm==X``): those
+    in SSDIFF_MAMBA_RELEASES (os.pathsep-separated), else mamba-releases/*/ of the running virtual environment
+    (.venv/mamba-releases/*/ for ./dev's; a worktree runs the main checkout's)."""
+    given = os.environ.get("SSDIFF_MAMBA_RELEASES")
+    if given:
+        return [Path(p) for p in given.split(os.pathsep) if p]
+    root = Path(sys.prefix) / "mamba-releases"
+    return sorted(p for p in root.glob("*") if (p / "mamba_ssm").is_dir()) if root.is_dir() else []
+
+
+def release_version(where: Path) -> Optional[str]:
+    """The mamba-ssm version installed in directory ``where`` (None when it holds none)."""
+    found = next(iter(metadata.distributions(name="mamba-ssm", path=[str(where)])), None)
+    return found.version if found is not None else None
+
+
+def run_repro(path: Path, release: Optional[Path] = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run repro.py as a stranger would: a clean environment (nothing of ssdiff on the path), mamba_ssm from
+    ``release`` when given, else the installed one."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(release) if release else ""}
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
+                          cwd=Path(path).parent, timeout=timeout)
+
+
+# ---- compute (slow): minimize, write case.json, finding.json, repro.py --------------------------------------
+
+def _local_paths(text: str) -> str:
+    """Paths of this machine out of a message: '/.../site-packages/mamba_ssm/x.py' -> 'mamba_ssm/x.py'."""
+    return re.sub(r"/\S*?/(mamba_ssm|torch|triton)/", r"\1/", text)
+
+
+def symptom(verdict: dict) -> list:
+    """What a side's verdict (Verdict.to_dict()) says went wrong, one line per failing tensor or the error."""
+    if verdict["status"] != "diverged" or not verdict.get("tensors"):
+        return [_local_paths(verdict.get("detail") or verdict.get("message") or verdict["status"])]
+    lines = []
+    for t in verdict["tensors"]:
+        if t["status"] == "ok":
+            continue
+        w = t["worst"]
+        where = ", ".join(f"{k} {v}" for k, v in w["coords"].items())
+        lines.append(f"{t['name']}: {t['out_of_budget']} of {t['judged']} elements out of budget; the worst "
+                     f"({where}) is {w['actual']:.6g} where the float64 oracle gives {w['expected']:.6g} "
+                     f"(error {w['error']:.3g}, allowed {w['budget']:.3g})"
+                     + (f"; {t['detail']}" if t.get("detail") else ""))
+    return lines
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Leave ``path`` alone when only repro.py's 'Written ... on DATE' line would change (idempotent runs)."""
+    if path.is_file() and _WRITTEN_ON.sub("", path.read_text(encoding="utf-8")) == _WRITTEN_ON.sub("", text):
+        return
+    path.write_text(text, encoding="utf-8")
+
+
+def _json(data) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int = MAX_RUNS) -> dict:
+    """Minimize ``defect.example`` with the installed release and write its folder; the finding record."""
+    import torch
+    import triton
+
+    from harness.minimize import NotDiverging, minimize
+
+    version = installed_version(defect.package)
+    folder = finding_dir(defect.id, root)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"id": defect.id, "example": defect.example.to_dict(), "implementation": defect.implementations[0],
+              "release": f"{defect.package} {version}", "torch": torch.__version__,
+              "triton": triton.__version__}
+    with tempfile.TemporaryDirectory(prefix="ssdiff-finding-") as scratch:
+        try:
+            result = minimize(defect.example, defect.implementations[0], device="cpu", out_dir=scratch,
+                              max_runs=max_runs)
+        except NotDiverging as why:
+            record.update(reproduces=False, why=_local_paths(str(why)))
+            (folder / CASE_FILE).write_text(defect.example.to_json() + "\n", encoding="utf-8")
+            (folder / REPRO_FILE).unlink(missing_ok=True)
+        else:
+            verdict = result.outcome.verdicts[record["implementation"]].to_dict()
+            raised = (_local_paths(verdict["detail"]).rsplit(" (at ", 1)[0]
+                      if verdict["status"] != "diverged" and verdict.get("detail") else None)
+            record.update(reproduces=True, runs=result.shrunk.runs, shrunk=result.minimal != defect.example,
+                          symptom=symptom(verdict), raised=raised)
+            (folder / CASE_FILE).write_text(result.minimal.to_json() + "\n", encoding="utf-8")
+            _write_if_changed(folder / REPRO_FILE, Path(result.repro_path).read_text(encoding="utf-8"))
+            record["repro_exit"] = run_repro(folder / REPRO_FILE, release=_release_of_this_process()).returncode
+    (folder / RECORD_FILE).write_text(_json(record), encoding="utf-8")
+    return record
+
+
+def _release_of_this_process() -> Optional[Path]:
+    """The release directory this process was started with (compute_elsewhere's child), else None."""
+    where = os.environ.get("SSDIFF_FINDINGS_RELEASE")
+    return Path(where) if where else None
+
+
+def compute_elsewhere(defect: KnownDefect, where: Path, root: Path, max_runs: int) -> None:
+    """compute_here in a child process whose mamba_ssm is the release installed in ``where``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(where), str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "SSDIFF_FINDINGS_RELEASE": str(where)}
+    subprocess.run([sys.executable, "-m", "harness.findings", "--here", "--no-render", "--only", defect.id,
+                    "--root", str(root), "--max-runs", str(max_runs)], env=env, cwd=REPO, check=True)
+
+
+def compute(defects=None, root: Path = FINDINGS_DIR, max_runs: int = MAX_RUNS, elsewhere: bool = True) -> None:
+    """compute_here for each finding, with the installed release when the record says it is affected, else
+    (``elsewhere``) with the first affected release of ``release_dirs()``."""
+    for defect in defects if defects is not None else [d for d in DEFECTS if is_finding(d)]:
+        if not defect.affects(installed_version(defect.package)) and elsewhere:
+            where = next((w for w in release_dirs() if defect.affects(release_version(w))), None)
+            if where is not None:
+                print(f"{defect.id}: with {defect.package} {release_version(where)} from {where}", flush=True)
+                compute_elsewhere(defect, where, root, max_runs)
+                continue
+        record = compute_here(defect, root, max_runs)
+        print(f"{defect.id}: {record['release']}: "
+              + (f"repro exits {record['repro_exit']}" if record["reproduces"] else record["why"]), flush=True)
+
+
+# ---- render (fast, pure): FINDINGS.md from the registry and reports/findings/ -------------------------------
+
+def read_finding(defect_id: str, root: Path = FINDINGS_DIR) -> Optional[dict]:
+    """finding.json with the case of case.json under "case" (a Case), or None when not computed."""
+    folder = finding_dir(defect_id, root)
+    if not (folder / RECORD_FILE).is_file():
+        return None
+    record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+    record["case"] = Case.from_json((folder / CASE_FILE).read_text(encoding="utf-8"))
+    record["has_repro"] = (folder / REPRO_FILE).is_file()
+    return record
+
+
+def _repro_line(defect: KnownDefect, found: dict) -> str:
+    path = f"reports/findings/{defect.id}/{REPRO_FILE}"
+    if not found["has_repro"]:
+        return f"No repro: the example does not diverge with {found['release']} ({found['why']})."
+    exit_text = {1: "exits 1 (the divergence exists)", 0: "exits 0 — it does not show the divergence"}
+    return (f"`python {path}` (needs {REPRO_NEEDS}; on a machine without a GPU it runs the Triton kernels "
+            f"under the Triton interpreter). Exit status 1 while the defect exists, 0 once it is fixed; "
+            f"with {found['release']}, where it was written, it "
+            f"{exit_text.get(found.get('repro_exit'), 'exits ' + str(found.get('repro_exit')))}.")
+
+
+def _case_block(found: dict) -> list:
+    case: Case = found["case"]
+    return ["```", case.describe(), "```", "", "<details><summary>case.json</summary>", "", "```json",
+            case.to_json(), "```", "", "</details>"]
+
+
+def _upstream_function(impl: str) -> str:
+    from harness.repro import MAMBA_FUNCTIONS
+
+    return MAMBA_FUNCTIONS[impl][0] if impl in MAMBA_FUNCTIONS else impl
+
+
+def render_finding(defect: KnownDefect, found: Optional[dict], level: str = "##") -> list:
+    """The FINDINGS.md section of one finding (a fixed one: no upstream report, its code path instead)."""
+    draft = DRAFTS[defect.id]
+    sub = level + "#"
+    out = [f"{level} {defect.id}", "", f"**Statement.** {defect.statement}.", "",
+           f"- Status: {defect.status}",
+           f"- Affected releases: {defect.releases}",
+           f"- Implementations: {', '.join(f'`{i}`' for i in defect.implementations)}",
+           f"- Pinned by: `{defect.test}`", ""]
+    if found is None:
+        return out + ["Not computed yet: run `python -m harness.findings`.", ""]
+    if found["reproduces"]:
+        how = (f"minimized against the float64 oracle with {found['release']} in {found['runs']} runs"
+               if found["shrunk"] else f"the registry's example (minimizing did not shrink it; {found['release']})")
+        out += [f"{sub} Minimized case ({how})", ""]
+    else:
+        out += [f"{sub} Case: the registry's example; it does not diverge with {found['release']}, so that "
+                f"release is not affected", ""]
+    out += _case_block(found) + ["", f"{sub} Repro", "", _repro_line(defect, found), ""]
+    if defect.affected[1] is not None:
+        return out + [f"*Code path.* {draft.code_path}", ""]
+    if not found["reproduces"]:
+        return out
+    out += [f"{sub} Draft upstream report", "", f"**{draft.title}**", "",
+            f"*What happens.* In short: {defect.statement}. Calling "
+            f"`{_upstream_function(found['implementation'])}` on the case of the repro "
+            f"(`{found['case'].describe()}` in ssdiff's notation), against a float64 token-by-token evaluation "
+            f"of the same inputs:", ""]
+    out += [f"- {line}" for line in found["symptom"]]
+    ready = "" if found.get("repro_exit") == 1 else (
+        f" (Not ready to paste: written with {found['release']}, it exits {found.get('repro_exit')}.)")
+    out += ["", f"*What should happen.* {draft.should}", "",
+            f"*Repro.* The attached `repro.py` (standalone: {REPRO_NEEDS}) draws the inputs from a fixed seed, "
+            f"runs the function and a float64 reference, prints the largest errors against the allowed ones and "
+            f"exits 1 while the defect exists.{ready}", "",
+            f"*Affected code path.* {draft.code_path}", "",
+            f"*Environment.* {found['release']}, torch {found['torch']}, triton {found['triton']}; the kernels "
+            f"under the Triton interpreter on a CPU.", ""]
+    return out
+
+
+def render(root: Path = FINDINGS_DIR) -> str:
+    """FINDINGS.md's text (pure: the registry and the files under ``root``)."""
+    findings = [d for d in DEFECTS if is_finding(d)]
+    missing = [d.id for d in findings if d.id not in DRAFTS]
+    if missing:
+        raise KeyError(f"harness/findings.py DRAFTS has no draft for {', '.join(missing)}")
+    found_here = [d for d in findings if d.status.startswith("found by ssdiff")]
+    others = [d for d in DEFECTS if d not in found_here]
+    out = ["# Findings", "",
+           "The upstream defects ssdiff found, each with its minimized case, a standalone `repro.py` and a draft "
+           "upstream report, generated from the known-defect registry (`harness/known.py`) by "
+           "`python -m harness.findings` (`--render` rewrites this page from `reports/findings/` alone; "
+           "`properties/test_findings.py` runs every repro and checks this page is current).", ""]
+    for d in found_here:
+        out += [f"- [{d.id}](#{d.id}): {d.statement}"]
+    out += [""]
+    for d in found_here:
+        out += render_finding(d, read_finding(d.id, root))
+    out += ["## Known, not found by ssdiff", "",
+            "| id | status | statement | repro |", "| --- | --- | --- | --- |"]
+    for d in others:
+        repro = f"[below](#{d.id})" if is_finding(d) else "—"
+        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in (d.id, d.status, d.statement, repro)) + " |"]
+    out += [""]
+    for d in others:
+        if is_finding(d):
+            out += render_finding(d, read_finding(d.id, root), level="###")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def stale(root: Path = FINDINGS_DIR, catalogue: Path = CATALOGUE) -> Optional[str]:
+    """None when ``catalogue`` is what render writes, else a unified diff."""
+    want = render(root)
+    have = catalogue.read_text(encoding="utf-8") if catalogue.is_file() else ""
+    if want == have:
+        return None
+    return "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True), str(catalogue), "render"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.findings", description=__doc__.split("\n\n")[0])
+    p.add_argument("--render", action="store_true", help="only render FINDINGS.md from reports/findings/")
+    p.add_argument("--check", action="store_true", help="exit 1 when FINDINGS.md is not what --render writes")
+    p.add_argument("--only", nargs="+", metavar="ID", help="compute only these findings")
+    p.add_argument("--max-runs", type=int, default=MAX_RUNS, help="minimization budget per finding (runs)")
+    p.add_argument("--root", type=Path, default=FINDINGS_DIR, help=argparse.SUPPRESS)
+    p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)        # compute_elsewhere's child
+    p.add_argument("--no-render", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.check:
+        diff = stale(args.root)
+        print(diff or "FINDINGS.md is current", end="" if diff else "\n")
+        return 1 if diff else 0
+    if not args.render:
+        from harness import runtime
+
+        runtime.configure()
+        unknown = [i for i in args.only or () if i not in BY_ID]
+        if unknown:
+            print(f"python -m harness.findings: no defect {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        compute([BY_ID[i] for i in args.only] if args.only else None, args.root, args.max_runs,
+                elsewhere=not args.here)
+    if not args.no_render:
+        CATALOGUE.write_text(render(args.root), encoding="utf-8")
+        print(f"wrote {CATALOGUE.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""FINDINGS.md and reports/findings/: every repro fails on a release the registry says is affected and passes on
+the release that fixed it, and FINDINGS.md is what `python -m harness.findings --render` writes from the
+registry and reports/findings/ (harness/findings.py).
+
+Each repro runs as a stranger would run it: a child process with a clean environment, nothing of ssdiff on its
+path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
+.venv/mamba-releases/<version>/; see properties/test_upstream.py::test_release_runs_its_properties).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from harness import findings
+from harness.known import BY_ID, DEFECTS, installed_version
+
+FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
+
+# Divergences harness/repro.py cannot show yet (strict: once it can, regenerate and drop the entry).
+REPRO_GAPS = {
+    "mamba-varlen-states-drop-initial-states": "harness/repro.py judges y and final_states only, not varlen_states",
+}
+
+
+def _releases() -> list:
+    """(label, directory or None for the installed release, version) of every mamba-ssm release at hand."""
+    here = installed_version("mamba-ssm")
+    out = [(f"installed-{here}", None, here)] if here else []
+    for where in findings.release_dirs():
+        version = findings.release_version(where)
+        if version and version != here:
+            out.append((version, where, version))
+    return out
+
+
+def _repro_params() -> list:
+    params = []
+    for defect in FINDINGS:
+        for label, where, version in _releases():
+            marks = ()
+            if defect.affects(version) and defect.id in REPRO_GAPS:
+                marks = pytest.mark.xfail(strict=True, raises=AssertionError, reason=REPRO_GAPS[defect.id])
+            params.append(pytest.param(defect.id, where, version, marks=marks, id=f"{defect.id}-{label}"))
+    return params
+
+
+@pytest.mark.parametrize("defect_id, where, version", _repro_params())
+def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version):
+    defect = BY_ID[defect_id]
+    found = findings.read_finding(defect_id)
+    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings`"
+    first, fixed = defect.affected
+    if defect.affects(version):
+        expected = 1
+    elif fixed is not None and Version(version) >= Version(fixed):
+        expected = 0
+    else:
+        pytest.skip(f"mamba-ssm {version} predates the defect's first affected release {first}: its repro's case "
+                    f"need not mean the same there")
+    if not found["has_repro"]:
+        if where is None and expected == 1:
+            pytest.fail(f"the registry says the installed mamba-ssm {version} is affected, yet the example does "
+                        f"not diverge with it: {found['why']}")
+        pytest.skip(f"no repro: {found['why']}")
+    run = findings.run_repro(findings.finding_dir(defect_id) / findings.REPRO_FILE, release=where)
+    said = (run.stdout + run.stderr)[-3000:]
+    assert run.returncode == expected, f"mamba-ssm {version}: exit {run.returncode}, expected {expected}\n{said}"
+    if expected == 0:
+        assert run.stdout.rstrip().endswith("no divergence: fixed"), said
+    elif found["raised"]:                     # the side raised: the repro dies of that exception, not another
+        assert run.stderr.rstrip().splitlines()[-1] == found["raised"], said
+    else:
+        assert run.stdout.rstrip().endswith("DIVERGES"), said
+
+
+def test_findings_md_is_what_the_registry_and_reports_render():
+    diff = findings.stale()
+    assert diff is None, f"FINDINGS.md is stale: run `python -m harness.findings --render`\n{diff[:4000]}"
+
+
+@pytest.mark.parametrize("defect_id", [d.id for d in FINDINGS])
+def test_each_finding_is_computed_from_the_registrys_example_and_still_matches_it(defect_id):
+    defect = BY_ID[defect_id]
+    found = findings.read_finding(defect_id)
+    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings --only {defect_id}`"
+    assert found["example"] == defect.example.to_dict(), (
+        f"the registry's example changed since reports/findings/{defect_id}/ was computed: run "
+        f"`python -m harness.findings --only {defect_id}`")
+    assert defect.applies(found["case"]), "the minimized case is no longer one the registry's predicate names"
+    if found["has_repro"]:
+        text = (findings.finding_dir(defect_id) / findings.REPRO_FILE).read_text()
+        assert not re.search(r"^\s*(from|import) harness", text, re.M), "repro.py must not need ssdiff"
+        assert found["case"].describe() in text
+
+
+def test_render_names_a_finding_not_computed_and_refuses_one_without_a_draft(tmp_path, monkeypatch):
+    text = findings.render(root=tmp_path)
+    for defect in FINDINGS:
+        assert f"## {defect.id}\n" in text
+    assert text.count("Not computed yet: run `python -m harness.findings`.") == len(FINDINGS)
+    monkeypatch.delitem(findings.DRAFTS, FINDINGS[0].id)
+    with pytest.raises(KeyError, match=FINDINGS[0].id):
+        findings.render(root=tmp_path)
+
+
+def test_the_other_records_are_listed_with_their_status():
+    text = Path(findings.CATALOGUE).read_text()
+    table = text.split("## Known, not found by ssdiff", 1)[1]
+    for defect in DEFECTS:
+        if not defect.status.startswith("found by ssdiff"):
+            assert f"| {defect.id} | {defect.status} |" in table
