@@ -8,7 +8,8 @@ oracle (or from another implementation); each divergence is localized (harness/l
 `ssdiff fuzz` is this call plus printing. Every case is examined by one harness.examine.Examiner (inputs,
 truth and baseline once per case). The search is a Hypothesis property (`cases()` from harness/strategies.py,
 one autotune config index drawn per case when asked) with ``hypothesis.target`` on log10 of the case's worst
-ratio, so that with an example budget the second half of it climbs toward larger errors. It stops at the
+ratio that no known defect explains, so that with an example budget the second half of it climbs toward larger
+errors; a time budget alone runs it in rounds of ROUND_EXAMPLES. It stops at the
 first divergence unless ``keep_going`` (then divergences are bucketed by which side fails, how, and in which
 tensors), at the time budget, or at the example budget. Cases outside an implementation's capabilities are
 first fitted (the features it cannot express switched off) and skipped, with the reason counted, when that is
@@ -20,6 +21,7 @@ The output directory is a saved run (harness/store.py); the HTML report goes to
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -35,6 +37,7 @@ from harness.strategies import Bounds, cases
 from harness.verdict import FACTOR, PROCESS_FAILURES, budget_rule
 
 PASSES = ("forward", "backward", "mixed")
+ROUND_EXAMPLES = 100
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
 
 # Larger shapes where kernels run natively (the float64 oracle on a GPU keeps up).
@@ -386,17 +389,29 @@ class Fuzzer:
                     raise Stop()
             self._progress(outcome)
 
-        test = given(strategy)(explore)
-        test = settings(max_examples=cfg.max_examples if cfg.max_examples is not None else 10 ** 9,
-                        deadline=None, database=None, phases=[Phase.generate, Phase.target],
-                        suppress_health_check=list(HealthCheck), print_blob=False, report_multiple_bugs=False)(test)
-        if cfg.seed is not None:
-            test = hypothesis_seed(cfg.seed)(test)
-        try:
+        def search(max_examples: int, seed):
+            test = given(strategy)(explore)
+            test = settings(max_examples=max_examples, deadline=None, database=None,
+                            phases=[Phase.generate, Phase.target], suppress_health_check=list(HealthCheck),
+                            print_blob=False, report_multiple_bugs=False)(test)
+            if seed is not None:
+                test = hypothesis_seed(seed)(test)
             try:
                 test()
             except Stop:
                 pass
+
+        try:
+            if cfg.max_examples is not None:
+                search(cfg.max_examples, cfg.seed)
+            else:
+                # A time budget alone: rounds of ROUND_EXAMPLES, each a fresh search (seeded from the campaign's
+                # seed and the round), until the budget is spent. Hypothesis draws its first tenth of a search's
+                # examples (at most 50) small; one search of unbounded size would spend a CPU campaign there.
+                for round_ in itertools.count():
+                    search(ROUND_EXAMPLES, None if cfg.seed is None else cfg.seed + round_)
+                    if stop_reason or self._out_of_budget():
+                        break
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]

@@ -19,9 +19,6 @@ from harness.known import BY_ID, DEFECTS, installed_version
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
 # Divergences harness/repro.py cannot show yet (strict: once it can, regenerate and drop the entry).
-REPRO_GAPS = {
-    "mamba-varlen-states-drop-initial-states": "harness/repro.py judges y and final_states only, not varlen_states",
-}
 
 
 def _releases() -> list:
@@ -39,10 +36,7 @@ def _repro_params() -> list:
     params = []
     for defect in FINDINGS:
         for label, where, version in _releases():
-            marks = ()
-            if defect.affects(version) and defect.id in REPRO_GAPS:
-                marks = pytest.mark.xfail(strict=True, raises=AssertionError, reason=REPRO_GAPS[defect.id])
-            params.append(pytest.param(defect.id, where, version, marks=marks, id=f"{defect.id}-{label}"))
+            params.append(pytest.param(defect.id, where, version, id=f"{defect.id}-{label}"))
     return params
 
 
