@@ -116,6 +116,18 @@ DEFECTS = (
         example=Case(entry="split_conv1d", seqlen=8, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=8,
                      rmsnorm=True, out_dim=4, pass_="backward", seed=5)),
     KnownDefect(
+        id="mamba-softplus-backward-nan-above-20",
+        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
+        applies=lambda c: c.backward and c.dt_softplus and c.regime.dt_large and c.regime.decay in ("typical", "strong"),
+        statement="mamba_split_conv1d_scan_combined's backward returns NaN gradients of dt (zxbcdt's dt channels), "
+                  "dt_bias and A where dt + dt_bias passes the softplus threshold of 20, with typical or strong decay",
+        status="found by ssdiff against 2.2.2; 2.3.2.post1 agrees (the releases between are not checked)",
+        test=UPSTREAM_TESTS,
+        example=Case(entry="split_conv1d", batch=1, seqlen=4, nheads=1, headdim=2, ngroups=1, dstate=11,
+                     chunk_size=4, D="head", return_final_states=False, conv_width=1,
+                     regime=Regime(decay="typical", dt_large=True),
+                     pass_="backward", seed=0)),
+    KnownDefect(
         id="mamba-ref-norm-over-whole-dim",
         implementations=("mamba_ssm.split_conv1d_ref",), package="mamba-ssm", affected=("2.0.0", None),
         applies=lambda c: c.rmsnorm and c.ngroups > 1,
