@@ -103,6 +103,27 @@ PENDING = (
      "final states are float32: a dtype mismatch whatever the values (cast to float32, mild decay agrees)",
      Case(seqlen=16, nheads=2, headdim=6, ngroups=2, dstate=2, chunk_size=16, dtype="float16", D="none",
           has_dt_bias=False, dt_softplus=False, initial_states=True, seed=6, regime=Regime(decay="mild"))),
+    ("mamba_ssm.ssd_minimal", lambda c: c.backward and c.dtype == "float32" and c.regime.decay == "strong",
+     "ssd_minimal_discrete's gradient of A under strong decay in float32 too (31x its budget at L=8, h=p=n=1; "
+     "typical decay agrees, so does mamba_chunk_scan_combined): autograd through differences of the A*dt cumsum",
+     Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
+          dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward", seed=1)),
+    ("mamba_ssm.chunk_scan", lambda c: c.backward and c.regime.decay == "typical",
+     "mamba_chunk_scan's unstable d(dA_cumsum) (record mamba-chunk-scan-unstable-ddA) at typical decay too: the "
+     "gradient of A 2.8x its budget in float32, 8.5x in float16 at L=8, h=p=n=1 (mild decay agrees; "
+     "mamba_chunk_scan_combined and ssd_chunk_scan_combined_ref agree on the same case)",
+     Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="head", has_dt_bias=False,
+          dt_softplus=False, return_final_states=False, regime=Regime(decay="typical"), pass_="backward", seed=0)),
+    ("mamba_ssm.chunk_scan_ref", lambda c: c.dtype != "float32",
+     "ssd_chunk_scan_combined_ref returns y in float32 for float16/bfloat16 inputs, where the interface's y is in "
+     "the input dtype: a dtype mismatch whatever the values",
+     Case(seqlen=16, nheads=3, headdim=4, ngroups=3, dstate=5, chunk_size=8, dtype="float16",
+          return_final_states=False, regime=Regime(decay="mild"), seed=12)),
+    ("mamba_ssm.chunk_scan_combined", lambda c: c.varlen_states and c.dtype != "float32",
+     "mamba_chunk_scan_combined returns varlen_states in its input dtype (float16/bfloat16) where its final "
+     "states (and the interface's varlen states) are float32: a dtype mismatch whatever the values",
+     Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=8, dtype="float16", segments=((5, 11),),
+          varlen_states=True, regime=Regime(decay="mild"), seed=12)),
 )
 
 
@@ -145,8 +166,11 @@ PROGRAM_BUDGET = 16
 # a token recurrence has other cancellations (harness/README.md, "Known limit"). The gradient of A under strong
 # decay is a near-total cancellation (~1e-14 where the other gradients are O(1)) that fla's recurrent kernel
 # returns as float32 rounding noise of its summands. Not a defect, and not a budget this file may widen.
+# Likewise a gradient of A that is structurally zero (one token, no initial state: A never enters) comes back as
+# rounding noise (1.7e-11 where the budget is 0).
 def recurrent_order_limit(name: str, case: Case) -> bool:
-    return name == "fla.fused_recurrent_simple_gla" and case.backward and case.regime.decay == "strong"
+    return name == "fla.fused_recurrent_simple_gla" and case.backward and (
+        case.regime.decay == "strong" or (case.seqlen == 1 and not case.initial_states))
 
 
 @st.composite
@@ -473,11 +497,6 @@ PREDICATE_CASES = [
                  Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=16, return_final_states=False,
                       regime=Regime(decay="strong"), pass_="backward", seed=1),
                  id="chunk-scan-strong-decay-fp32"),
-    pytest.param("mamba-chunk-scan-unstable-ddA",
-                 Case(seqlen=16, nheads=4, headdim=5, ngroups=4, dstate=4, chunk_size=16, dtype="bfloat16",
-                      D="channel", return_final_states=False, regime=Regime(decay="typical"), pass_="backward",
-                      seed=2),
-                 id="chunk-scan-bf16-typical-decay"),
 ]
 
 
@@ -504,7 +523,8 @@ def test_chunk_scan_ref_gradients_agree_below_the_overflow(device):
         agrees_with_oracle(examiner, shorter)
 
 
-@pytest.mark.parametrize("name, applies, statement, case", PENDING, ids=[p[0] for p in PENDING])
+@pytest.mark.parametrize("name, applies, statement, case", PENDING,
+                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PENDING)])
 def test_pending_defect_reproduces(name, applies, statement, case, device):
     """A divergence found here and not yet in harness/known.py: its example satisfies its predicate and
     diverges (strict expected failure until the record exists and this test becomes its registry case)."""
