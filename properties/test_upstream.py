@@ -32,7 +32,7 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
+from hypothesis import HealthCheck, Phase, assume, currently_in_test_context, example, given, note, settings
 from hypothesis import strategies as st
 
 from harness import runtime
@@ -64,10 +64,8 @@ def examine(examiner: Examiner, case: Case, choice: runtime.Choice = "tuned", st
     outcome = examiner.examine(case, choice, stages=stages)
     launched = sorted({f"{kernel}#{index}/{count}" for side in outcome.launches.values()
                        for kernel, index, count, _ in side})
-    try:
+    if currently_in_test_context():     # elsewhere the assertion message carries the case
         note(f"{replay(case, choice)}; launches: {', '.join(launched) or 'none'}")
-    except Exception:                   # outside a hypothesis property: the assertion message carries the case
-        pass
     return outcome
 
 
@@ -108,10 +106,10 @@ PENDING = (
      "typical decay agrees, so does mamba_chunk_scan_combined): autograd through differences of the A*dt cumsum",
      Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
           dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward", seed=1)),
-    ("mamba_ssm.chunk_scan", lambda c: c.backward and c.regime.decay == "typical",
-     "mamba_chunk_scan's unstable d(dA_cumsum) (record mamba-chunk-scan-unstable-ddA) at typical decay too: the "
-     "gradient of A 2.8x its budget in float32, 8.5x in float16 at L=8, h=p=n=1 (mild decay agrees; "
-     "mamba_chunk_scan_combined and ssd_chunk_scan_combined_ref agree on the same case)",
+    ("mamba_ssm.chunk_scan", lambda c: c.backward,
+     "mamba_chunk_scan's unstable d(dA_cumsum) (record mamba-chunk-scan-unstable-ddA) at every decay: the gradient "
+     "of A at L=8, h=p=n=1 is 2.8x its budget in float32 and 8.5x in float16 at typical decay, 6.8x / 32x with no "
+     "decay (mamba_chunk_scan_combined and ssd_chunk_scan_combined_ref agree on the same cases)",
      Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="head", has_dt_bias=False,
           dt_softplus=False, return_final_states=False, regime=Regime(decay="typical"), pass_="backward", seed=0)),
     ("mamba_ssm.chunk_scan_ref", lambda c: c.dtype != "float32",
@@ -125,6 +123,11 @@ PENDING = (
      Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=8, dtype="float16", segments=((5, 11),),
           varlen_states=True, regime=Regime(decay="mild"), seed=12)),
 )
+
+
+# Passes whose every case a pending predicate covers: the general property has nothing left to draw there (the
+# pending test pins the divergence). (implementation, backward) -> the index into PENDING.
+WHOLE_PASS_PENDING = {("mamba_ssm.chunk_scan", True): 2}
 
 
 def known_or_pending(name: str, case: Case) -> Optional[str]:
@@ -166,11 +169,13 @@ PROGRAM_BUDGET = 16
 # a token recurrence has other cancellations (harness/README.md, "Known limit"). The gradient of A under strong
 # decay is a near-total cancellation (~1e-14 where the other gradients are O(1)) that fla's recurrent kernel
 # returns as float32 rounding noise of its summands. Not a defect, and not a budget this file may widen.
-# Likewise a gradient of A that is structurally zero (one token, no initial state: A never enters) comes back as
-# rounding noise (1.7e-11 where the budget is 0).
+# dt > 20 is strong decay per step: its gradient of A cancels the same way (69x its budget, for a true 4e-112) and
+# so does d(dt), which the recurrent form takes from d(log decay) = q.dq - k.dk, a difference of O(1) terms
+# (27x its budget in float32 for |d(dt)| ~ 1). A gradient of A that is structurally zero (one token, no initial
+# state: A never enters) comes back as rounding noise (1.7e-11 where the budget is 0).
 def recurrent_order_limit(name: str, case: Case) -> bool:
     return name == "fla.fused_recurrent_simple_gla" and case.backward and (
-        case.regime.decay == "strong" or (case.seqlen == 1 and not case.initial_states))
+        case.regime.decay == "strong" or case.regime.dt_large or (case.seqlen == 1 and not case.initial_states))
 
 
 @st.composite
@@ -227,7 +232,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def upstream_names() -> list:
-    return [impl.name for impl in all_implementations() if impl.name.startswith(UPSTREAM_PREFIXES)]
+    """The registered upstream adapters (``module:function`` targets, registered on first use, are not)."""
+    return [impl.name for impl in all_implementations()
+            if impl.name.startswith(UPSTREAM_PREFIXES) and ":" not in impl.name]
 
 
 def generic_targets(config) -> list:
@@ -278,6 +285,9 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device):
     """Each upstream implementation agrees with the float64 oracle (harness/verdict.py)."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
+    if (upstream, backward) in WHOLE_PASS_PENDING:
+        pytest.skip(f"every case of this pass diverges as a defect pending registration in harness/known.py "
+                    f"(pinned by test_pending_defect_reproduces): {PENDING[WHOLE_PASS_PENDING[upstream, backward]][2]}")
     n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=6)
     examiner = Examiner([impl.name], device)
 
