@@ -41,6 +41,9 @@ class KnownDefect:
     status: str
     test: str
     example: Case
+    # The predicate covers every case of a pass and dtype: (backward, dtype) -> bool. Properties that draw cases
+    # for that pass say so instead of drawing (nothing is left to draw).
+    whole_pass: Callable[[bool, str], bool] = lambda backward, dtype: False
 
     def affects(self, version: Optional[str]) -> bool:
         """Is release ``version`` of the package affected (None: not installed)?"""
@@ -135,23 +138,25 @@ DEFECTS = (
                   "(dim // ngroups) when ngroups > 1; the fused mamba_split_conv1d_scan_combined is right",
         status="reported upstream: state-spaces/mamba#647", test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", batch=1, seqlen=16, nheads=4, ngroups=2, headdim=4, dstate=4,
-                     chunk_size=8, rmsnorm=True, regime=Regime(decay="typical"))),
+                     chunk_size=8, rmsnorm=True, return_final_states=False, regime=Regime(decay="typical"))),
     KnownDefect(
         id="mamba-chunk-scan-unstable-ddA",
         implementations=("mamba_ssm.chunk_scan",), package="mamba-ssm", affected=("2.0.0", None),
-        applies=lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large or c.dtype == "bfloat16"),
+        applies=lambda c: c.backward,
         statement="mamba_chunk_scan's backward takes d(dA_cumsum) from einsum(out, dout) - ddt * dt, a difference "
-                  "its authors call numerically unstable: under strong decay per step (or in bfloat16 at any decay) "
-                  "its gradients carry rounding noise of the size of the outputs",
+                  "its authors call numerically unstable: its gradients carry rounding noise of the size of the "
+                  "outputs under strong decay, and at any decay in the gradient of A (2.8x its budget in float32, "
+                  "8.5x in float16 at typical decay, L=8, h=p=n=1; mamba_chunk_scan_combined agrees there)",
         status="documented upstream (the authors' comment in ssd_combined.py)", test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=4, headdim=5, ngroups=4, dstate=4, chunk_size=16, dtype="float16",
                      D="channel", return_final_states=False, pass_="backward", seed=49443,
-                     regime=Regime(decay="typical", dt_large=True, values="integer", scale=0.25, layout="strided"))),
+                     regime=Regime(decay="typical", dt_large=True, values="integer", scale=0.25, layout="strided")),
+        whole_pass=lambda backward, dtype: backward),
     KnownDefect(
         id="mamba-chunk-scan-ref-nan-gradients",
         implementations=("mamba_ssm.chunk_scan_ref",), package="mamba-ssm", affected=("2.0.0", None),
         applies=lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
-                                          or row_decay(c) > EXP_OVERFLOW_F32),
+                                          or (c.entry == "chunk_scan" and row_decay(c) > EXP_OVERFLOW_F32)),
         statement="ssd_chunk_scan_combined_ref takes exp of every segment sum, masked-out positive ones included: "
                   "once a row's total decay sum|dt A| passes 88.72 they overflow and the gradient is inf * 0 = NaN",
         status="documented upstream (a reference, not a gradient oracle)", test=UPSTREAM_TESTS,
@@ -169,7 +174,57 @@ DEFECTS = (
                      regime=Regime(decay="strong", dt_large=True), pass_="backward")),
 )
 
+# Where a release returns a tensor in another dtype than the interface ssdiff judges (y in the input dtype,
+# final and varlen states in float32): a mismatch verdict whatever the values.
+INTERFACE = "differs from the interface ssdiff judges (found by ssdiff)"
+
+DEFECTS += (
+    KnownDefect(
+        id="mamba-ssd-minimal-final-states-dtype",
+        implementations=("mamba_ssm.ssd_minimal",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.dtype != "float32" and c.return_final_states,
+        statement="ssd_minimal_discrete returns final_states in its input dtype (float16/bfloat16), not float32",
+        status=INTERFACE, test=UPSTREAM_TESTS,
+        example=Case(seqlen=16, nheads=2, headdim=6, ngroups=2, dstate=2, chunk_size=16, dtype="float16", D="none",
+                     has_dt_bias=False, dt_softplus=False, initial_states=True, seed=6, regime=Regime(decay="mild"))),
+    KnownDefect(
+        id="mamba-ssd-minimal-grad-A-strong-decay",
+        implementations=("mamba_ssm.ssd_minimal",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.backward and c.dtype == "float32" and c.regime.decay == "strong",
+        statement="ssd_minimal_discrete's gradient of A under strong decay in float32 (31x its budget at L=8, "
+                  "h=p=n=1; typical decay agrees, so does mamba_chunk_scan_combined): autograd through differences "
+                  "of the A*dt cumsum",
+        status="by design (the paper's listing)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
+                     dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward",
+                     seed=1)),
+    KnownDefect(
+        id="mamba-chunk-scan-ref-y-dtype",
+        implementations=("mamba_ssm.chunk_scan_ref",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.dtype != "float32",
+        statement="ssd_chunk_scan_combined_ref returns y in float32 for float16/bfloat16 inputs, not in the input "
+                  "dtype",
+        status=INTERFACE, test=UPSTREAM_TESTS,
+        example=Case(seqlen=16, nheads=3, headdim=4, ngroups=3, dstate=5, chunk_size=8, dtype="float16",
+                     return_final_states=False, regime=Regime(decay="mild"), seed=12),
+        whole_pass=lambda backward, dtype: dtype != "float32"),
+    KnownDefect(
+        id="mamba-varlen-states-dtype",
+        implementations=("mamba_ssm.chunk_scan_combined",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.varlen_states and c.dtype != "float32",
+        statement="mamba_chunk_scan_combined returns varlen_states in its input dtype (float16/bfloat16) while its "
+                  "final_states are float32",
+        status=INTERFACE, test=UPSTREAM_TESTS,
+        example=Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=8, dtype="float16", segments=((5, 11),),
+                     varlen_states=True, regime=Regime(decay="mild"), seed=12)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
+
+
+def whole_pass(impl: str, backward: bool, dtype: str) -> Optional[KnownDefect]:
+    """A defect of ``impl``'s installed release that explains every case of this pass and dtype, or None."""
+    return next((d for d in affecting(impl) if d.whole_pass(backward, dtype)), None)
 
 
 def installed_version(package: str) -> Optional[str]:
@@ -193,5 +248,6 @@ def matching(impl: str, case: Case) -> Optional[KnownDefect]:
     return next((d for d in affecting(impl) if d.applies(case)), None)
 
 
-__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "installed_version",
+__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "whole_pass",
+           "installed_version",
            "row_decay", "EXP_OVERFLOW_F32"]

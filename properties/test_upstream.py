@@ -18,9 +18,7 @@ Divergence has one definition: harness/verdict.py's `judge`, through harness.exa
 multiple of a same-precision baseline's error; padding outputs and elements beyond the dtype's range are not
 judged; dtypes are checked). No tolerance lives here. Cases a known defect of the installed release explains
 (harness.known.matching) are left out of the general properties: the registry test pins each one, and
-`ssdiff fuzz` reports them under their ids. Divergences found here that the registry does not hold yet are
-listed in PENDING, left out the same way and pinned by test_pending_defect_reproduces until they are recorded;
-where the baseline cannot budget an evaluation order (fla's token recurrence), the exclusion is named and its
+`ssdiff fuzz` reports them under their ids. Where the baseline cannot budget an evaluation order (fla's token recurrence), the exclusion is named and its
 reason given (recurrent_order_limit). Runs on the CPU under the Triton interpreter (tiny shapes) or
 natively on a GPU (``--device cuda``; bf16 and fla.chunk_simple_gla there).
 """
@@ -95,58 +93,16 @@ def expect_defect(request, defect: known.KnownDefect):
                                               reason=f"{defect.id}: {defect.statement}"))
 
 
-# Divergences these properties find that harness/known.py does not record yet (pending registration there):
-# left out of generation like a registered defect, each pinned by test_pending_defect_reproduces.
-#   (implementation, predicate, statement, example, whole) -- whole(backward, dtype): the predicate covers every
-#   case of that pass and dtype, so the general property has nothing left to draw there and says why.
-PENDING = (
-    ("mamba_ssm.ssd_minimal", lambda c: c.dtype != "float32" and c.return_final_states,
-     "ssd_minimal_discrete returns final_states in its input dtype (float16/bfloat16) where the interface's "
-     "final states are float32: a dtype mismatch whatever the values (cast to float32, mild decay agrees)",
-     Case(seqlen=16, nheads=2, headdim=6, ngroups=2, dstate=2, chunk_size=16, dtype="float16", D="none",
-          has_dt_bias=False, dt_softplus=False, initial_states=True, seed=6, regime=Regime(decay="mild")),
-     lambda backward, dtype: False),
-    ("mamba_ssm.ssd_minimal", lambda c: c.backward and c.dtype == "float32" and c.regime.decay == "strong",
-     "ssd_minimal_discrete's gradient of A under strong decay in float32 too (31x its budget at L=8, h=p=n=1; "
-     "typical decay agrees, so does mamba_chunk_scan_combined): autograd through differences of the A*dt cumsum",
-     Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
-          dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward", seed=1),
-     lambda backward, dtype: False),
-    ("mamba_ssm.chunk_scan", lambda c: c.backward,
-     "mamba_chunk_scan's unstable d(dA_cumsum) (record mamba-chunk-scan-unstable-ddA) at every decay: the gradient "
-     "of A at L=8, h=p=n=1 is 2.8x its budget in float32 and 8.5x in float16 at typical decay, 6.8x / 32x with no "
-     "decay (mamba_chunk_scan_combined and ssd_chunk_scan_combined_ref agree on the same cases)",
-     Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="head", has_dt_bias=False,
-          dt_softplus=False, return_final_states=False, regime=Regime(decay="typical"), pass_="backward", seed=0),
-     lambda backward, dtype: backward),
-    ("mamba_ssm.chunk_scan_ref", lambda c: c.dtype != "float32",
-     "ssd_chunk_scan_combined_ref returns y in float32 for float16/bfloat16 inputs, where the interface's y is in "
-     "the input dtype: a dtype mismatch whatever the values",
-     Case(seqlen=16, nheads=3, headdim=4, ngroups=3, dstate=5, chunk_size=8, dtype="float16",
-          return_final_states=False, regime=Regime(decay="mild"), seed=12),
-     lambda backward, dtype: dtype != "float32"),
-    ("mamba_ssm.chunk_scan_combined", lambda c: c.varlen_states and c.dtype != "float32",
-     "mamba_chunk_scan_combined returns varlen_states in its input dtype (float16/bfloat16) where its final "
-     "states (and the interface's varlen states) are float32: a dtype mismatch whatever the values",
-     Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=8, dtype="float16", segments=((5, 11),),
-          varlen_states=True, regime=Regime(decay="mild"), seed=12),
-     lambda backward, dtype: False),
-)
+def whole_pass_known(name: str, backward: bool, dtype: str) -> Optional[str]:
+    """The id of a known defect of ``name``'s installed release that explains every case of this pass and dtype."""
+    defect = known.whole_pass(name, backward, dtype)
+    return defect.id if defect is not None else None
 
 
-def whole_pass_pending(name: str, backward: bool, dtype: str) -> Optional[str]:
-    """The statement of a pending defect that explains every case of this pass and dtype, or None."""
-    return next((statement for impl, _, statement, _, whole in PENDING if impl == name and whole(backward, dtype)),
-                None)
-
-
-def known_or_pending(name: str, case: Case) -> Optional[str]:
-    """The id (or statement) of the known defect of ``name``'s installed release, or of a pending one, that
-    explains ``case``; None when nothing does."""
+def known_defect(name: str, case: Case) -> Optional[str]:
+    """The id of the known defect of ``name``'s installed release that explains ``case``, or None."""
     defect = known.matching(name, case)
-    if defect is not None:
-        return defect.id
-    return next((statement for impl, applies, statement, _, _ in PENDING if impl == name and applies(case)), None)
+    return defect.id if defect is not None else None
 
 
 # ---- generating cases within an implementation's capabilities --------------------------------------------
@@ -191,7 +147,7 @@ def recurrent_order_limit(name: str, case: Case) -> bool:
 @st.composite
 def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
     """A case ``impl`` can run on ``device``: drawn from harness.strategies, narrowed to its capabilities, and
-    none that a known (or pending) defect of the installed release explains."""
+    none that a known defect of the installed release explains."""
     cap = impl.capabilities
     entry = draw(st.sampled_from(sorted(cap.entries)))
     bounds = bounds_here()
@@ -204,7 +160,7 @@ def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
     if runtime.interpreted() and "cuda" not in cap.devices:
         assume(case.batch * case.nheads * case.nchunks <= PROGRAM_BUDGET)
     assume(impl.skip_reason(case, device) is None)
-    assume(known_or_pending(impl.name, case) is None)
+    assume(known_defect(impl.name, case) is None)
     assume(not recurrent_order_limit(impl.name, case))
     return case
 
@@ -295,10 +251,10 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device):
     """Each upstream implementation agrees with the float64 oracle (harness/verdict.py)."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
-    pending = whole_pass_pending(upstream, backward, dtype)
-    if pending:
-        pytest.skip(f"every case of this pass diverges as a defect pending registration in harness/known.py "
-                    f"(pinned by test_pending_defect_reproduces): {pending}")
+    whole = whole_pass_known(upstream, backward, dtype)
+    if whole:
+        pytest.skip(f"every case of this pass is known defect {whole} (harness/known.py; pinned by "
+                    f"test_known_defect_reproduces)")
     n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=6)
     examiner = Examiner([impl.name], device)
 
@@ -337,7 +293,7 @@ def pinned_cases(impl, dtype: str, backward: bool, device: str) -> list:
         case = without(case, impl.capabilities.unsupported)
         if case.entry == "split_conv1d":
             case = fit_conv_channels(case, bounds_here())
-        if impl.skip_reason(case, device) is None and known_or_pending(impl.name, case) is None \
+        if impl.skip_reason(case, device) is None and known_defect(impl.name, case) is None \
                 and not recurrent_order_limit(impl.name, case):
             out.append(case)
     return out
@@ -542,21 +498,6 @@ def test_chunk_scan_ref_gradients_agree_below_the_overflow(device):
     usable("mamba_ssm.chunk_scan_ref", "float32", True, device)
     with Examiner(["mamba_ssm.chunk_scan_ref"], device) as examiner:
         agrees_with_oracle(examiner, shorter)
-
-
-@pytest.mark.parametrize("name, applies, statement, case, whole", PENDING,
-                         ids=[f"{p[0]}-{i}" for i, p in enumerate(PENDING)])
-def test_pending_defect_reproduces(name, applies, statement, case, whole, device):
-    """A divergence found here and not yet in harness/known.py: its example satisfies its predicate and
-    diverges (strict expected failure until the record exists and this test becomes its registry case)."""
-    if not applies(case):
-        pytest.fail(f"the pending predicate does not hold for {case.describe()}")
-    impl = usable(name, case.dtype, case.backward, device)
-    if impl.skip_reason(case, device):
-        pytest.skip(impl.skip_reason(case, device))
-    with Examiner([name], device) as examiner:
-        with pytest.raises(AssertionError):
-            agrees_with_oracle(examiner, case)
 
 
 def test_a_case_hitting_a_known_defect_is_judged_not_skipped(device):
