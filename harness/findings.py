@@ -90,6 +90,15 @@ DRAFTS = {
                   "`out0_recompute`, which is assigned only when `outproj_weight is not None` "
                   "(UnboundLocalError without out_proj); without rmsnorm, `out_for_linear` is the scan's "
                   "recomputed output alone (`rest[0]`, dim columns), so d(outproj_weight) has no SwiGLU columns."),
+    "mamba-softplus-backward-nan-above-20": Draft(
+        title="mamba_split_conv1d_scan_combined backward: NaN gradients of dt, dt_bias and A once dt + dt_bias "
+              "passes 20 (mamba-ssm 2.2.2)",
+        should="Above the softplus threshold the processed dt is dt itself and its gradient is the incoming one: "
+               "finite gradients, as mamba-ssm 2.3.2.post1 returns on the same case.",
+        code_path="`mamba_ssm/ops/triton/ssd_chunk_state.py` of 2.2.2: `_chunk_cumsum_fwd_kernel` and "
+                  "`_chunk_cumsum_bwd_kernel` apply `softplus(dt)` with no threshold (`dt = softplus(dt)`), where "
+                  "2.3.2.post1 has `dt = tl.where(dt <= 20.0, softplus(dt), dt)`; where exactly the NaN enters "
+                  "the 2.2.2 backward was not traced."),
     "mamba-grouped-norm-backward": Draft(
         title="mamba_split_conv1d_scan_combined backward: gated RMSNorm normalized over all of dim when "
               "ngroups > 1",

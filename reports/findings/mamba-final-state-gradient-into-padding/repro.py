@@ -208,13 +208,14 @@ def softplus20(v):
     return torch.where(v <= 20.0, torch.log1p(torch.exp(torch.clamp(v, max=20.0))), v)
 
 
-def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq):
-    """x (b,L,h,p), dt (b,L,h), B/C (b,L,g,n), seq (b,L) or None -> y (b,L,h,p), final state (b,h,p,n)."""
+def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq, ends=()):
+    """x (b,L,h,p), dt (b,L,h), B/C (b,L,g,n), seq (b,L) or None -> y (b,L,h,p), final state (b,h,p,n), and
+    the states (b,h,p,n) after the tokens numbered ``ends`` (exclusive ends of varlen sequences)."""
     b, L, h, p = x.shape
     group = [i // (h // B.shape[2]) for i in range(h)]
     seq = torch.zeros(b, L, dtype=torch.long, device=x.device) if seq is None else seq.long()
     S = x.new_zeros(b, h, p, B.shape[3])
-    ys = []
+    ys, at_ends = [], []
     for t in range(L):
         d = dt[:, t] + (dt_bias if dt_bias is not None else 0.0)
         d = softplus20(d) if softplus else d
@@ -227,20 +228,25 @@ def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq):
         S = torch.exp(d * A)[..., None, None] * S + (d[..., None] * x[:, t])[..., None] * B[:, t][:, group][:, :, None]
         S = torch.where((seq[:, t] < 0)[:, None, None, None], torch.zeros_like(S), S)   # padding holds no state
         ys.append(torch.einsum("bhpn,bhn->bhp", S, C[:, t][:, group]))
+        at_ends += [S] * ends.count(t + 1)
     y = torch.stack(ys, 1)
     if D is not None:
         y = y + (D[:, None] if D.dim() == 1 else D) * x
     if z is not None:
         y = y * F.silu(z)
-    return y, S
+    return y, S, at_ends
 
 
 def oracle(t, seq):
     """Every tensor in float64; returns {"y": ..., "final_states": ...}."""
     f = {k: v.double() for k, v in t.items()}
-    y, final = oracle_scan(f["x"], f["dt"], f["A"], f["B"], f["C"], f.get("D"), f.get("z"), f.get("dt_bias"),
-                           CASE["dt_softplus"], DT_LIMIT, f.get("initial_states"), seq)
-    return {"y": y, "final_states": final}
+    ends = CU_SEQLENS.tolist()[1:] if CASE["varlen_states"] else []
+    y, final, at_ends = oracle_scan(f["x"], f["dt"], f["A"], f["B"], f["C"], f.get("D"), f.get("z"),
+                                    f.get("dt_bias"), CASE["dt_softplus"], DT_LIMIT, f.get("initial_states"), seq, ends)
+    out = {"y": y, "final_states": final}
+    if at_ends:                                           # varlen_states (batch 1): the state after each sequence
+        out["varlen_states"] = torch.cat(at_ends, 0)
+    return out
 
 
 DT_LIMIT = tuple(float(v) for v in CASE["dt_limit"]) if CASE["dt_limit"] is not None else (0.0, math.inf)
@@ -524,6 +530,8 @@ def side_0(t, seq):
     result = {"y": out[0]}
     if len(out) > 1 and CASE["return_final_states"]:
         result["final_states"] = out[1]
+    if CASE["varlen_states"]:
+        result["varlen_states"] = out[-1]
     return result
 
 SIDES = {'mamba_ssm.chunk_scan_combined': side_0}

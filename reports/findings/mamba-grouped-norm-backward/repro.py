@@ -209,13 +209,14 @@ def softplus20(v):
     return torch.where(v <= 20.0, torch.log1p(torch.exp(torch.clamp(v, max=20.0))), v)
 
 
-def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq):
-    """x (b,L,h,p), dt (b,L,h), B/C (b,L,g,n), seq (b,L) or None -> y (b,L,h,p), final state (b,h,p,n)."""
+def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq, ends=()):
+    """x (b,L,h,p), dt (b,L,h), B/C (b,L,g,n), seq (b,L) or None -> y (b,L,h,p), final state (b,h,p,n), and
+    the states (b,h,p,n) after the tokens numbered ``ends`` (exclusive ends of varlen sequences)."""
     b, L, h, p = x.shape
     group = [i // (h // B.shape[2]) for i in range(h)]
     seq = torch.zeros(b, L, dtype=torch.long, device=x.device) if seq is None else seq.long()
     S = x.new_zeros(b, h, p, B.shape[3])
-    ys = []
+    ys, at_ends = [], []
     for t in range(L):
         d = dt[:, t] + (dt_bias if dt_bias is not None else 0.0)
         d = softplus20(d) if softplus else d
@@ -228,12 +229,13 @@ def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq):
         S = torch.exp(d * A)[..., None, None] * S + (d[..., None] * x[:, t])[..., None] * B[:, t][:, group][:, :, None]
         S = torch.where((seq[:, t] < 0)[:, None, None, None], torch.zeros_like(S), S)   # padding holds no state
         ys.append(torch.einsum("bhpn,bhn->bhp", S, C[:, t][:, group]))
+        at_ends += [S] * ends.count(t + 1)
     y = torch.stack(ys, 1)
     if D is not None:
         y = y + (D[:, None] if D.dim() == 1 else D) * x
     if z is not None:
         y = y * F.silu(z)
-    return y, S
+    return y, S, at_ends
 
 
 def oracle(t, seq):
@@ -252,7 +254,7 @@ def oracle(t, seq):
     conv = F.silu(conv) if CASE["activation"] == "silu" else conv
     x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
     zh = z.unflatten(-1, (h, p))
-    y, final = oracle_scan(x.unflatten(-1, (h, p)), dt, f["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+    y, final, _ = oracle_scan(x.unflatten(-1, (h, p)), dt, f["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
                            f["D"], None if CASE["rmsnorm"] else zh, f["dt_bias"], True, DT_LIMIT,
                            f.get("initial_states"), seq)
     y = y.flatten(-2)
@@ -550,6 +552,8 @@ def side_0(t, seq):
     result = {"y": out[0]}
     if len(out) > 1 and CASE["return_final_states"]:
         result["final_states"] = out[1]
+    if CASE["varlen_states"]:
+        result["varlen_states"] = out[-1]
     return result
 
 SIDES = {'mamba_ssm.split_conv1d_combined': side_0}
