@@ -580,14 +580,15 @@ def main():
         flat = judged(key, truth[key]).flatten()
         print(f"{'float64 oracle':>40} {key}: first values {[round(v, 6) for v in flat[:6].tolist()]}")
         for name, err in errors.items():
-            verdict = "OUT OF BUDGET" if err > allowed else "within budget"
+            out = not err <= allowed                         # NaN / Inf included
+            verdict = "OUT OF BUDGET" if out else "within budget"
             print(f"{name:>40} {key}: max |error| vs oracle {err:.4g} (allowed {allowed:.3g}): {verdict}")
-            diverged |= err > allowed
+            diverged |= out
         if len(results) == 2:
             (na, ra), (nb, rb) = results.items()
             diff = (judged(key, ra[key]) - judged(key, rb[key])).abs().max().item()
             print(f"{'the two sides differ by':>40} {key}: {diff:.4g} (allowed {2 * allowed:.3g})")
-            diverged |= diff > 2 * allowed
+            diverged |= not diff <= 2 * allowed
             right = [n for n, e in errors.items() if e <= allowed]
             if len(right) == 1:
                 print(f"the float64 oracle agrees with {right[0]}")
