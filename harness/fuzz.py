@@ -148,11 +148,14 @@ def _sig_text(sig) -> str:
 
 
 class Fuzzer:
-    """Runs one fuzz campaign. ``progress(state: dict)`` is called after every case."""
+    """Runs one fuzz campaign. ``progress(state: dict)`` is called after every case; ``observe(outcome)``
+    after every judged one (a calibration run collects its ratios there)."""
 
-    def __init__(self, config: FuzzConfig, progress: Optional[Callable[[dict], None]] = None):
+    def __init__(self, config: FuzzConfig, progress: Optional[Callable[[dict], None]] = None,
+                 observe: Optional[Callable[[Outcome], None]] = None):
         self.config = config
         self.progress = progress
+        self.observe = observe
         runtime.configure()
         cfg = config
         cfg.device = cfg.device or runtime.default_device()
@@ -376,6 +379,8 @@ class Fuzzer:
                 return
             self.report.tried += 1
             self._note_ratios(outcome)
+            if self.observe is not None:
+                self.observe(outcome)
             explained = self._note_known(outcome)
             # Known defects do not steer the search: it climbs toward the largest error nothing explains.
             ratio = outcome.worst_ratio(excluding=explained)
