@@ -181,7 +181,8 @@ def cmd_fuzz(args) -> int:
             budget.append(f"{state['tried']}/{config.max_examples} cases")
         worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
         known_text = f" | known {state['known']}" if state.get("known") else ""
-        return Text(f"cases {state['tried']} (skipped {state['skipped']}) | worst ratio to budget: {worst} | "
+        return Text(f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "
+                    f"worst ratio to budget: {worst} | "
                     f"divergences {state['divergences']}{known_text} | {', '.join(budget)}")
 
     class Line:

@@ -7,7 +7,9 @@ oracle (or from another implementation); each divergence is localized (harness/l
 
 `ssdiff fuzz` is this call plus printing. Every case is examined by one harness.examine.Examiner (inputs,
 truth and baseline once per case). The search is a Hypothesis property (`cases()` from harness/strategies.py,
-one autotune config index drawn per case when asked) with ``hypothesis.target`` on log10 of the case's worst
+one autotune config index drawn per case when asked; at bounds.boundary_rate a case straddles a block size
+of the sides' kernels and runs the config with that block: harness/tiling.py; natively, every round's cases
+come from the compile keys of harness/pool.py, one key swapped per round) with ``hypothesis.target`` on log10 of the case's worst
 ratio that no known defect explains, so that with an example budget the second half of it climbs toward larger
 errors; a time budget alone runs rounds of ROUND_EXAMPLES, plain generation and targeted search in turn. It stops at the
 first divergence unless ``keep_going`` (then divergences are bucketed by which side fails, how, and in which
@@ -30,13 +32,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from harness import known, localize, oracle, runtime, store
+from harness import known, localize, oracle, runtime, store, tiling
 from harness.examine import Examiner, Outcome, UsageError
+from harness.pool import Mix, Pool
 from harness.report.environment import environment
-from harness.strategies import Bounds, cases
+from harness.strategies import Bounds, cases, maybe_boundary
 from harness.verdict import FACTOR, PROCESS_FAILURES, budget_rule
 
 PASSES = ("forward", "backward", "mixed")
+
+
+def at_production_shape(case) -> bool:
+    """A case at the shapes models run (the throughput figure's production share)."""
+    return case.seqlen >= 2048 and case.dstate >= 128
 ROUND_EXAMPLES = 100
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
 
@@ -76,6 +84,9 @@ class FuzzConfig:
     minimize: bool = True
     minimize_runs: int = 150
     bounds: Optional[Bounds] = None
+    # Natively: draw each round's cases from a rotating pool of compile keys (harness/pool.py).
+    pool: bool = True
+    pool_mix: Mix = field(default_factory=Mix)
     oracle: str = oracle.DEFAULT_ORACLE
     factor: float = FACTOR
     ablation_runs: Optional[int] = None
@@ -112,12 +123,23 @@ class FuzzReport:
     elapsed: float = 0.0
     stopped: str = ""
     first_divergence_s: Optional[float] = None
+    first_judged_s: Optional[float] = None             # time to the first judged case (compilation included)
+    search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
+    production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
 
     @property
     def exit_code(self) -> int:
         return 1 if self.findings else 0
+
+    def throughput(self) -> dict:
+        """Cases judged per minute of search, and the time to the first one."""
+        minutes = self.search_s / 60.0
+        return {"judged": self.tried, "skipped": self.skipped,
+                "judged_per_minute": round(self.tried / minutes, 1) if minutes > 0 else None,
+                "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
+                "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases}
 
     def summary(self) -> dict:
         cfg = self.config
@@ -130,6 +152,7 @@ class FuzzReport:
             "harness_errors": self.harness_errors,
             "elapsed_s": round(self.elapsed, 2), "stopped": self.stopped,
             "first_divergence_after_s": None if self.first_divergence_s is None else round(self.first_divergence_s, 2),
+            "throughput": self.throughput(),
             "largest_ratio_by_dtype": self.worst, "largest_ratio_by_side": self.worst_by_side,
             "divergences": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
                              "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
@@ -196,6 +219,17 @@ class Fuzzer:
             raise UsageError("--pass backward: an implementation has no backward")
         self.backward = {"forward": False, "backward": True, "mixed": None}[cfg.pass_] if has_backward else False
         self.bounds = cfg.bounds or (GPU_BOUNDS if cfg.device.startswith("cuda") else Bounds())
+        # Block-size boundaries of every side's kernels (harness/tiling.py), drawn at bounds.boundary_rate.
+        found = {}
+        for impl in self.impls.values():
+            for b in tiling.boundaries(impl, cfg.device):
+                found.setdefault((b.dim, b.value, b.block), b)
+        self.boundaries = tuple(found[k] for k in sorted(found))
+        # Natively, cases come from a rotating pool of compile keys (harness/pool.py); interpreted, freely.
+        self.pool = None
+        if cfg.pool and not runtime.interpreted() and any(i.kernel_modules() for i in self.impls.values()):
+            self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=cfg.pool_mix,
+                             seed=cfg.seed, accept=lambda key: self.examiner.fit(key.case()) is not None)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -304,7 +338,9 @@ class Fuzzer:
         if self.progress is None:
             return
         r = self.report
-        self.progress({"tried": r.tried, "skipped": r.skipped, "elapsed": self._elapsed(),
+        elapsed = self._elapsed()
+        self.progress({"tried": r.tried, "skipped": r.skipped, "elapsed": elapsed,
+                       "per_minute": 60.0 * r.tried / elapsed if elapsed > 0 else 0.0,
                        "max_time": self.config.max_time, "max_examples": self.config.max_examples,
                        "worst": r.worst, "divergences": len(r.findings),
                        "known": sum(k["reproduced"] for k in r.known.values()),
@@ -339,8 +375,16 @@ class Fuzzer:
             choices = st.integers(0, 7)
         else:
             choices = st.just(cfg.autotune)
-        strategy = st.tuples(cases(entry=self.entries[0] if len(self.entries) == 1 else None, dtypes=cfg.dtypes,
-                                   bounds=self.bounds, backward=self.backward), choices)
+        entry = self.entries[0] if len(self.entries) == 1 else None
+
+        def strategy(keys):
+            """(case, boundary or None, choice): from the round's compile keys, or drawn freely."""
+            if keys:
+                return st.sampled_from(keys).flatmap(lambda key: st.tuples(
+                    cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary), choices))
+            return maybe_boundary(self.boundaries, self.bounds.boundary_rate).flatmap(lambda b: st.tuples(
+                cases(entry=entry, dtypes=cfg.dtypes, bounds=self.bounds, backward=self.backward, boundary=b),
+                st.just(b), choices))
 
         class Stop(Exception):
             pass
@@ -354,9 +398,11 @@ class Fuzzer:
             if why:
                 stop_reason.append(why)
                 raise Stop()
-            case, choice = drawn
+            case, boundary, choice = drawn
             if case.entry not in self.entries:
                 return
+            if boundary is not None and cfg.autotune in ("tuned", "random"):
+                choice = boundary.config        # the config whose block this case straddles
             fitted = self.examiner.fit(case)
             reason = None
             if fitted is None:
@@ -378,6 +424,9 @@ class Fuzzer:
                 self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
                 return
             self.report.tried += 1
+            if self.report.first_judged_s is None:
+                self.report.first_judged_s = self._elapsed()
+            self.report.production_cases += at_production_shape(fitted)
             self._note_ratios(outcome)
             if self.observe is not None:
                 self.observe(outcome)
@@ -395,7 +444,8 @@ class Fuzzer:
             self._progress(outcome)
 
         def search(max_examples: int, seed, targeted: bool = True):
-            test = given(strategy)(explore)
+            keys = self.pool.keys if self.pool else None
+            test = given(strategy(tuple(keys) if keys else None))(explore)
             test = settings(max_examples=max_examples, deadline=None, database=None,
                             phases=[Phase.generate, Phase.target] if targeted else [Phase.generate],
                             suppress_health_check=list(HealthCheck), print_blob=False,
@@ -408,19 +458,31 @@ class Fuzzer:
                 pass
 
         try:
-            if cfg.max_examples is not None:
+            if cfg.max_examples is not None and self.pool is None:
                 search(cfg.max_examples, cfg.seed)
             else:
-                # A time budget alone: rounds of ROUND_EXAMPLES, each a fresh search (seeded from the campaign's
+                # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded from the campaign's
                 # seed and the round), until the budget is spent, alternating plain generation with targeted
                 # search. Hypothesis draws a search's first tenth of examples (at most 50) small, and once a
                 # target is observed its mutations toward it crowd out fresh draws (2 of 100 drawn cases had
                 # ngroups > 1 with rmsnorm, against 18 without targeting): one unbounded targeted search would
                 # spend a CPU campaign near its first cases.
+                # With a compile pool every round draws from its keys, and one key is swapped between rounds.
+                idle = 0
                 for round_ in itertools.count():
-                    search(ROUND_EXAMPLES, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
+                    examples = ROUND_EXAMPLES if cfg.max_examples is None else \
+                        min(ROUND_EXAMPLES, cfg.max_examples - self.report.tried)
+                    before = self.report.tried
+                    search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
                     if stop_reason or self._out_of_budget():
                         break
+                    idle = idle + 1 if self.report.tried == before else 0
+                    if idle >= 5:
+                        stop_reason.append("five rounds judged no case (every drawn case was skipped)")
+                        break
+                    if self.pool is not None:
+                        self.pool.rotate()
+            self.report.search_s = self._elapsed()
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]
@@ -428,6 +490,7 @@ class Fuzzer:
                 for finding in self.report.findings:
                     self._minimize(finding)
         finally:
+            self.report.search_s = self.report.search_s or self._elapsed()
             self.examiner.close()
             self.report.elapsed = self._elapsed()
             self.report.stopped = self.report.stopped or "interrupted"

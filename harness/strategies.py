@@ -4,7 +4,11 @@ Only small descriptions are drawn (sizes, flags, a seed); tensors come from `har
 choices are drawn in order (ngroups from the divisors of nheads, segment lengths that sum to seqlen), so every
 drawn Case is valid and shrinking moves toward the simplest one (Case() defaults are the shrink targets).
 
-    cases(entry=..., dtypes=..., max_seqlen=..., backward=...)   the strategy most callers want
+    cases(entry=..., dtypes=..., bounds=..., backward=...)   the strategy most callers want
+
+Two refinements the fuzzer uses: ``boundary=`` (harness/tiling.py) puts one dimension at a block-size
+boundary of the implementation's configs; ``key=`` (harness/pool.py, on a GPU) fixes every shape field but
+seqlen, which stays in the key's specialization class.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Bounds:
     max_dstate: int = 8
     chunk_sizes: tuple = (4, 8, 16)
     max_width: int = 4
+    boundary_rate: float = 0.1      # share of cases drawn at a block-size boundary (when the search has them)
 
 
 def divisors(n: int) -> list:
@@ -37,18 +42,31 @@ def divisors(n: int) -> list:
 
 
 @st.composite
-def shapes(draw, bounds: Bounds = Bounds()) -> dict:
-    """batch, seqlen, nheads, ngroups (a divisor of nheads), headdim, dstate, chunk_size."""
-    nheads = draw(st.integers(1, bounds.max_nheads))
+def shapes(draw, bounds: Bounds = Bounds(), boundary=None, key=None) -> dict:
+    """batch, seqlen, nheads, ngroups (a divisor of nheads), headdim, dstate, chunk_size. ``boundary``: one
+    dimension at its value; ``key``: everything but seqlen fixed, seqlen in the key's class."""
+    if key is not None:
+        fixed = {k: getattr(key, k) for k in ("batch", "nheads", "ngroups", "headdim", "dstate", "chunk_size")}
+        return dict(seqlen=key.snap(draw(st.integers(key.seqlen_min, key.seqlen_max))), **fixed)
+    at = {boundary.dim: boundary.value} if boundary is not None else {}
+    nheads = at.get("nheads") or draw(st.integers(1, bounds.max_nheads))
     return dict(
         batch=draw(st.integers(1, bounds.max_batch)),
         seqlen=draw(st.integers(1, bounds.max_seqlen)),
         nheads=nheads,
         ngroups=draw(st.sampled_from(divisors(nheads))),
-        headdim=draw(st.integers(1, bounds.max_headdim)),
-        dstate=draw(st.integers(1, bounds.max_dstate)),
+        headdim=at.get("headdim") or draw(st.integers(1, bounds.max_headdim)),
+        dstate=at.get("dstate") or draw(st.integers(1, bounds.max_dstate)),
         chunk_size=draw(st.sampled_from(bounds.chunk_sizes)),
     )
+
+
+def maybe_boundary(boundaries: Sequence, rate: float):
+    """None (most draws; the shrink target), or one of ``boundaries`` with probability ``rate``."""
+    if not boundaries or rate <= 0:
+        return st.none()
+    percent = max(1, int(round(100 * rate)))
+    return st.integers(0, 99).flatmap(lambda r: st.sampled_from(tuple(boundaries)) if r < percent else st.none())
 
 
 @st.composite
@@ -117,15 +135,17 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str) ->
 
 
 @st.composite
-def mixer_features(draw, nheads: int, headdim: int) -> dict:
-    """The split-conv1d mixer's own features (conv width, activation, SwiGLU branch, norm, out_proj)."""
-    out = dict(conv_width=draw(st.integers(1, 4)), activation=draw(st.sampled_from(("silu", "identity"))))
+def mixer_features(draw, nheads: int, headdim: int, key=None) -> dict:
+    """The split-conv1d mixer's own features (conv width, activation, SwiGLU branch, norm, out_proj); a
+    ``key`` fixes the widths (conv width, d_nonssm, out_dim)."""
+    out = dict(conv_width=key.conv_width if key else draw(st.integers(1, 4)),
+               activation=draw(st.sampled_from(("silu", "identity"))))
     out["rmsnorm"] = draw(st.booleans())
     if out["rmsnorm"]:
         out["norm_before_gate"] = draw(st.booleans())
-    out["d_nonssm"] = draw(st.sampled_from((0, 0, 2, 3)))
-    if draw(st.booleans()):
-        out["out_dim"] = draw(st.integers(1, 8))
+    out["d_nonssm"] = key.d_nonssm if key else draw(st.sampled_from((0, 0, 2, 3)))
+    if (key.out_dim is not None) if key else draw(st.booleans()):
+        out["out_dim"] = key.out_dim if key else draw(st.integers(1, 8))
         out["outproj_bias"] = draw(st.booleans())
     return out
 
@@ -133,14 +153,17 @@ def mixer_features(draw, nheads: int, headdim: int) -> dict:
 @st.composite
 def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bounds(),
           backward: Optional[bool] = None, layouts: Sequence[str] = ("contiguous", "strided"),
-          varlen: bool = True) -> Case:
-    """A valid Case. ``entry``/``backward`` None: drawn. ``dtypes``: the dtypes allowed."""
+          varlen: bool = True, boundary=None, key=None) -> Case:
+    """A valid Case. ``entry``/``backward`` None: drawn. ``dtypes``: the dtypes allowed. ``boundary`` /
+    ``key``: see the module docstring (a key fixes entry, dtype and layout too)."""
+    if key is not None:
+        entry, dtypes, layouts = key.entry, (key.dtype,), (key.layout,)
     entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))
-    shape = draw(shapes(bounds))
+    shape = draw(shapes(bounds, boundary, key))
     fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
     fields.update(draw(scan_features(shape["batch"], shape["seqlen"], shape["chunk_size"], entry)))
     if entry == "split_conv1d":
-        fields.update(draw(mixer_features(shape["nheads"], shape["headdim"])))
+        fields.update(draw(mixer_features(shape["nheads"], shape["headdim"], key)))
     fields["regime"] = draw(regimes(layouts))
     do_backward = draw(st.booleans()) if backward is None else backward
     if do_backward:

@@ -46,6 +46,11 @@ class Implementation:
         """Why this implementation cannot run in this environment (missing package...), or None."""
         return None
 
+    def kernel_modules(self) -> tuple:
+        """The modules (or their names) defining the Triton kernels it launches: their autotune configs give
+        the block-size boundaries the search draws at (harness/tiling.py). Empty without Triton kernels."""
+        return ()
+
     def refuses(self, backward: bool, device: str, dtype: Optional[str] = None) -> Optional[str]:
         """Why a whole pass (in ``dtype``, when given) is refused on ``device`` whatever the case — a
         version/hardware guard of the code under test, or a limit that no case of the pass escapes — or None.

@@ -18,6 +18,7 @@ state after its last real sequence (zero when the row ends in padding), varlen_s
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -91,6 +92,12 @@ class FlaImplementation(Implementation):
         if self.gpu_only_reason and not runtime.has_gpu():
             return f"needs a GPU: {self.gpu_only_reason}"
         return None if self.pure_torch else runtime.no_triton_reason()
+
+    def kernel_modules(self) -> tuple:
+        if self.pure_torch or self.unavailable():
+            return ()
+        return tuple(m for name, m in sorted(sys.modules.items())
+                     if name.startswith(("fla.ops.simple_gla.", "fla.ops.common.", "fla.ops.utils.")))
 
     @property
     def capabilities(self) -> Capabilities:

@@ -23,6 +23,7 @@ hits one is run and judged like any other, and reported as that defect when it d
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
@@ -110,6 +111,12 @@ class MambaImplementation(Implementation):
 
     def notes(self) -> list:
         return self.release.notes(self.uses)
+
+    def kernel_modules(self) -> tuple:
+        if self.pure_torch or self.unavailable():
+            return ()
+        self.release                   # loads the Triton ops
+        return tuple(m for name, m in sorted(sys.modules.items()) if name.startswith("mamba_ssm.ops.triton."))
 
 
 # ---- mamba_chunk_scan_combined ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ forward and backward, and every stage intermediate (so fuzz can localize inside 
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -35,6 +36,12 @@ class SsdiffTriton(Implementation):
 
     def unavailable(self) -> Optional[str]:
         return runtime.no_triton_reason()
+
+    def kernel_modules(self) -> tuple:
+        import kernels.ssd.combined  # noqa: F401 - these two define every kernel
+        import kernels.ssd.mixer  # noqa: F401
+
+        return tuple(m for name, m in sorted(sys.modules.items()) if name.startswith("kernels.ssd."))
 
     def skip_reason(self, case: Case, device: str) -> Optional[str]:
         why = runtime.dtype_skip_reason(case.dtype)

@@ -95,6 +95,7 @@ def autotune(name: str, key: list, reset_to_zero=None):
     def wrap(fn):
         tuner = triton.autotune(configs=CONFIGS[name][0], key=key, reset_to_zero=reset_to_zero,
                                 prune_configs_by={"early_config_prune": fitter(name)})(fn)
+        tuner.tiles = CONFIGS[name][1]          # block constexpr -> the problem dimension it tiles
         TUNERS.setdefault(name, []).append(tuner)
         return tuner
     return wrap
