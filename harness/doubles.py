@@ -15,6 +15,8 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
   returns them in: a healthy implementation for measuring false alarms.
 - `Misbehaving`: calls os.abort(), sleeps forever, or raises — optionally only when ngroups > 1 — to test that
   crash / hang / error become verdicts under --isolate and the run goes on.
+- `ConfigBug` / `TilingBug`: the toy kernel through an autotuned Triton kernel that is wrong in one config
+  always (`config_bug`), or only where headdim crosses that config's block size of 32 (`tiling_bug`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -301,3 +304,68 @@ class ConfigBug(ToyKernel):
 
 
 config_bug = ConfigBug()
+
+
+# ---- a tiling bug that needs a dimension above a small block ---------------------------------------------------
+
+_skip_kernel = None
+
+
+def _autotuned_skip():
+    """y += D x, tiled over headdim by an autotuned Triton kernel with BLOCK_P 64 (listed first: the config the
+    interpreter's "tuned" runs) or 32. The planted bug: the grid is sized for 64-wide tiles whatever the config,
+    so with BLOCK_P = 32 the channels past 32 of every 64 never get their skip term — only when headdim > 32."""
+    global _skip_kernel
+    if _skip_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.autotune(configs=[triton.Config({"BLOCK_P": 64}), triton.Config({"BLOCK_P": 32})], key=["P"])
+        @triton.jit
+        def skip_kernel(y, x, D, P, H, BLOCK_P: tl.constexpr):
+            row, tile = tl.program_id(0), tl.program_id(1)
+            offs = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+            mask = offs < P
+            d = tl.load(D + (row % H) * P + offs, mask=mask, other=0.0)
+            xv = tl.load(x + row * P + offs, mask=mask, other=0.0)
+            yv = tl.load(y + row * P + offs, mask=mask, other=0.0)
+            tl.store(y + row * P + offs, yv + d * xv, mask=mask)
+
+        skip_kernel.tiles = {"BLOCK_P": "P"}         # what BLOCK_P tiles (harness/tiling.py)
+        _skip_kernel = skip_kernel
+    return _skip_kernel
+
+
+class TilingBug(ToyKernel):
+    """The healthy toy kernel with its D skip computed by `_autotuned_skip` (right with one config, wrong with
+    the other beyond a headdim of 32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "double.tiling_bug"
+        self.description = "toy kernel whose D skip is a Triton kernel whose grid assumes 64-wide tiles"
+        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}), backward=False,
+                                         unsupported=frozenset({"varlen_states"}))
+
+    def kernel_modules(self) -> tuple:
+        return (types.SimpleNamespace(skip_kernel=_autotuned_skip()),)
+
+    def compute(self, case, t, inputs):
+        y, final, _ = toy_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=case.chunk_size,
+                               dt_bias=t.get("dt_bias"), dt_softplus=case.dt_softplus,
+                               dt_limit=case.dt_limit_or_default, initial_states=t.get("initial_states"),
+                               seq_idx=inputs.seq_idx)
+        if t.get("D") is not None:
+            b, L, h, p = y.shape
+            D = t["D"] if t["D"].dim() == 2 else t["D"][:, None].expand(h, p)
+            y = y.contiguous()
+            _autotuned_skip()[(b * L * h, -(-p // 64))](y, t["x"].contiguous(), D.contiguous(), p, h)
+        if t.get("z") is not None:
+            y = y * F.silu(t["z"])
+        outputs = {"y": y}
+        if case.return_final_states:
+            outputs["final_states"] = final
+        return outputs, {}
+
+
+tiling_bug = TilingBug()

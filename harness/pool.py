@@ -134,6 +134,10 @@ class Pool:
         self.boundaries, self.mix, self.production = tuple(boundaries), mix, production
         self.rng = random.Random(seed)
         self.accept = accept or (lambda key: True)
+        # Boundary keys take the boundaries in a shuffled cycle, so that a campaign's rotations cover them all.
+        self._boundary_order = list(self.boundaries)
+        self.rng.shuffle(self._boundary_order)
+        self._next_boundary = 0
         self.keys = [self.draw(kind) for kind in self._kinds(mix.size)]
         self.round = 0
 
@@ -182,7 +186,8 @@ class Pool:
             nheads = rng.randint(1, b.max_nheads)
             chunk, batch = rng.choice(b.chunk_sizes), rng.randint(1, b.max_batch)
             if kind == "boundary":
-                boundary = rng.choice(self.boundaries)
+                boundary = self._boundary_order[self._next_boundary % len(self._boundary_order)]
+                self._next_boundary += 1
                 if boundary.dim == "headdim":
                     headdim = boundary.value
                 elif boundary.dim == "dstate":

@@ -1,0 +1,119 @@
+"""Block-size boundaries (harness/tiling.py) and the compile pool (harness/pool.py): the search crosses the block
+sizes of the configs that run, and natively draws every round from a few compile keys.
+
+The planted bug (harness.doubles:tiling_bug) adds the D skip with an autotuned Triton kernel whose grid assumes
+64-wide tiles: right with its first config (BLOCK_P = 64), wrong with the second (32) once headdim > 32 —
+a size the CPU bounds (headdim <= 8) never reach but for the boundary draws.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import doubles, tiling
+from harness.case import Case
+from harness.fuzz import FuzzConfig, Fuzzer
+from harness.impls import get
+from harness.pool import CompileKey, Mix, Pool, Production, seqlen_class
+from harness.strategies import Bounds, cases, maybe_boundary
+
+TILING_BUG = "harness.doubles:tiling_bug"
+
+
+def test_boundaries_are_read_from_the_configs_and_the_dimension_their_blocks_tile():
+    found = tiling.boundaries(doubles.tiling_bug, "cpu")
+    assert {b.dim for b in found} == {"headdim"}                 # BLOCK_P tiles headdim only (declared)
+    by_value = {(b.value, b.block): b.config for b in found}
+    assert by_value[(33, 32)] == 1 and by_value[(65, 32)] == 1   # the small-block config, past its block
+    assert by_value[(64, 64)] == 0 and by_value[(65, 64)] == 0
+    assert max(b.value for b in found) <= tiling.CAPS["cpu"]["headdim"]
+    # ssdiff's own tuners declare what each block tiles: a block over chunk positions gives no boundary.
+    triton = get("ssdiff.triton")
+    for name, tuner in tiling.autotuned(triton.kernel_modules()):
+        for b in tiling.boundaries(triton, "cpu"):
+            if b.kernel == name:
+                assert any(tiling.DECLARED[tuner.tiles[k]] and b.dim in tiling.DECLARED[tuner.tiles[k]]
+                           for k in tuner.tiles), (name, b)
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_a_boundary_case_has_its_dimension_at_the_boundary(data):
+    found = tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), "cpu")
+    b = data.draw(st.sampled_from(found))
+    case = data.draw(cases(entry="chunk_scan", boundary=b))
+    assert getattr(case, b.dim) == b.value and case.nheads % case.ngroups == 0
+    assert data.draw(maybe_boundary(found, 0.0)) is None
+
+
+def test_a_tiling_bug_past_a_small_block_is_found_and_run_with_that_config(tmp_path, device):
+    """Interpreted, one case in two straddles a boundary; natively, three compile keys of four are boundary
+    keys. Either way the finding is a headdim past 32 run with the 32-wide config."""
+    config = FuzzConfig(impl=TILING_BUG, device=device, max_time=None, max_examples=300, seed=3,
+                        pass_="forward", dtypes=("float32",), minimize=False, localize=False, report_dir=None,
+                        out_dir=str(tmp_path), bounds=Bounds(boundary_rate=0.5),
+                        pool_mix=Mix(size=4, production=0.0, boundary=0.75))
+    report = Fuzzer(config).run()
+    assert report.exit_code == 1, f"not found in {report.tried} cases ({report.stopped})"
+    outcome = report.findings[0].outcome
+    assert outcome.case.headdim > 32 and outcome.choice == 1, (outcome.case.describe(), outcome.choice)
+
+
+def test_the_same_search_without_boundaries_misses_it(tmp_path, device):
+    """The teeth of the test above: with no boundary draw (and the tuned config) the bug never shows."""
+    config = FuzzConfig(impl=TILING_BUG, device=device, max_time=None, max_examples=60, seed=3,
+                        pass_="forward", dtypes=("float32",), minimize=False, localize=False, report_dir=None,
+                        out_dir=str(tmp_path), bounds=Bounds(boundary_rate=0.0),
+                        pool_mix=Mix(size=2, production=0.0, boundary=0.0))
+    assert Fuzzer(config).run().exit_code == 0
+
+
+# ---- the compile pool ------------------------------------------------------------------------------------------
+
+def small_pool(seed=0, **kw) -> Pool:
+    return Pool(("chunk_scan", "split_conv1d"), ("float32", "bfloat16"), Bounds(max_seqlen=300, max_headdim=64,
+                                                                                 max_dstate=64, max_nheads=12),
+                tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), "cuda"), seed=seed, **kw)
+
+
+def test_a_key_fixes_the_shape_and_keeps_seqlen_in_its_class():
+    pool = small_pool(seed=1)
+    for key in pool.keys:
+        @settings(max_examples=15)
+        @given(cases(key=key, backward=None))
+        def drawn(case):
+            fixed = key.fixed()
+            assert {k: getattr(case, k) for k in fixed} == fixed and case.regime.layout == key.layout
+            assert key.fits(case.seqlen), (key.describe(), case.seqlen)
+        drawn()
+
+
+def test_keys_come_in_the_mix_and_rotate_one_at_a_time():
+    pool = small_pool(seed=2, mix=Mix(size=4, production=0.25, boundary=0.25))
+    assert sorted(k.kind for k in pool.keys) == ["boundary", "production", "small", "small"]
+    boundary = next(k for k in pool.keys if k.kind == "boundary")
+    assert getattr(boundary, boundary.boundary.dim) == boundary.boundary.value
+    before = list(pool.keys)
+    after = pool.rotate()
+    assert sum(a != b for a, b in zip(before, after)) <= 1 and [k.kind for k in after] == [k.kind for k in before]
+
+
+def test_production_keys_reach_model_shapes_within_their_element_budget():
+    prod = Production()
+    pool = small_pool(seed=5, mix=Mix(size=8, production=1.0, boundary=0.0))
+    keys = [k for k in pool.keys if k.kind == "production"]
+    assert len(keys) == 7
+    for key in keys:
+        assert key.seqlen >= 2048 and key.dstate >= 128 and key.headdim in prod.headdims
+        assert key.batch * key.seqlen_max * key.nheads * key.headdim <= prod.max_elements
+        assert key.nheads % key.ngroups == 0
+
+
+def test_snap_finds_the_nearest_seqlen_of_the_class():
+    key = CompileKey(kind="small", dtype="float32", entry="chunk_scan", batch=1, nheads=2, ngroups=1, headdim=4,
+                     dstate=4, chunk_size=16, layout="contiguous", seqlen=40, seqlen_min=1, seqlen_max=300)
+    assert seqlen_class(40, 16) == seqlen_class(key.snap(41), 16)
+    assert key.snap(40) == 40 and key.snap(1) != 1
+    assert Case(seqlen=key.snap(299)).seqlen <= 300
