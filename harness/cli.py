@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+STARTED = time.perf_counter()       # the process's start, near enough: the throughput's setup time counts from here
 
 from rich.console import Console
 from rich.table import Table
@@ -160,7 +163,7 @@ def cmd_fuzz(args) -> int:
         known=DEMO["known"] if demo else getattr(args, "known", "report"),
         oracle=getattr(args, "oracle", None) or "ref.chunked")
     try:
-        fuzzer = Fuzzer(config)
+        fuzzer = Fuzzer(config, started=STARTED)
     except UsageError as err:
         print(f"ssdiff fuzz: {err}", file=sys.stderr)
         return 2
@@ -179,6 +182,8 @@ def cmd_fuzz(args) -> int:
             budget.append(f"{state['elapsed']:.0f}/{config.max_time:.0f} s")
         if config.max_examples is not None:
             budget.append(f"{state['tried']}/{config.max_examples} cases")
+        if state.get("compiling") and not state["tried"]:
+            return Text(f"{state['compiling']} | {', '.join(budget)}")
         worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
         known_text = f" | known {state['known']}" if state.get("known") else ""
         return Text(f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "

@@ -28,7 +28,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Callable, Optional
 
@@ -84,9 +84,12 @@ class FuzzConfig:
     minimize: bool = True
     minimize_runs: int = 150
     bounds: Optional[Bounds] = None
-    # Natively: draw each round's cases from a rotating pool of compile keys (harness/pool.py).
-    pool: bool = True
+    # Draw each round's cases from a rotating pool of compile keys (harness/pool.py): None natively only (where
+    # kernels compile), True always, False never.
+    pool: Optional[bool] = None
     pool_mix: Mix = field(default_factory=Mix)
+    # With a pool: compile each key's representative case ahead in worker processes (harness/precompile.py).
+    compile_ahead: bool = True
     oracle: str = oracle.DEFAULT_ORACLE
     factor: float = FACTOR
     ablation_runs: Optional[int] = None
@@ -125,6 +128,7 @@ class FuzzReport:
     first_divergence_s: Optional[float] = None
     first_judged_s: Optional[float] = None             # time to the first judged case (compilation included)
     search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
+    setup_s: float = 0.0                               # before the search: imports, loading the implementations
     production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
@@ -139,6 +143,7 @@ class FuzzReport:
         return {"judged": self.tried, "skipped": self.skipped,
                 "judged_per_minute": round(self.tried / minutes, 1) if minutes > 0 else None,
                 "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
+                "setup_s": round(self.setup_s, 2),
                 "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases}
 
     def summary(self) -> dict:
@@ -175,8 +180,11 @@ class Fuzzer:
     after every judged one (a calibration run collects its ratios there)."""
 
     def __init__(self, config: FuzzConfig, progress: Optional[Callable[[dict], None]] = None,
-                 observe: Optional[Callable[[Outcome], None]] = None):
+                 observe: Optional[Callable[[Outcome], None]] = None, started: Optional[float] = None):
+        """``started``: a time.perf_counter() reading from before the caller's imports (the CLI's), so that
+        the throughput's setup time includes them."""
         self.config = config
+        self._created = started if started is not None else time.perf_counter()
         self.progress = progress
         self.observe = observe
         runtime.configure()
@@ -227,7 +235,8 @@ class Fuzzer:
         self.boundaries = tuple(found[k] for k in sorted(found))
         # Natively, cases come from a rotating pool of compile keys (harness/pool.py); interpreted, freely.
         self.pool = None
-        if cfg.pool and not runtime.interpreted() and any(i.kernel_modules() for i in self.impls.values()):
+        use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
+        if use_pool and any(i.kernel_modules() for i in self.impls.values()):
             self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=cfg.pool_mix,
                              seed=cfg.seed, accept=lambda key: self.examiner.fit(key.case()) is not None)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -242,6 +251,11 @@ class Fuzzer:
                         "reproduced": 0, "matched_not_reproduced": 0, "first_example": None})
         self._start = None
         self._signatures: dict = {}
+        self.compiler = None
+        if self.pool is not None and cfg.compile_ahead:
+            from harness.precompile import Compiler
+
+            self.compiler = Compiler(self.impls, cfg.device, cfg.autotune)
 
     # ---- known defects ------------------------------------------------------------------------------------
 
@@ -362,6 +376,79 @@ class Fuzzer:
             finding.minimize_problem = str(exc)
         finding.minimize_seconds = time.perf_counter() - start
 
+    def _judge(self, case, choice, target=None) -> bool:
+        """Fit, judge and record one drawn case; True when the campaign should stop (a divergence found)."""
+        cfg = self.config
+        fitted = self.examiner.fit(case)
+        reason = None
+        if fitted is None:
+            reason = next(iter(self.examiner.skip_reasons(case)), "outside the capabilities")
+        elif cfg.known == "skip":
+            defect = next(filter(None, (known.matching(s, fitted) for s in self.examiner.sides)), None)
+            reason = f"known defect {defect.id} (--known skip)" if defect else None
+        if reason:
+            self.report.skipped += 1
+            self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
+            return False
+        try:
+            outcome = self.examiner.examine(fitted, choice)
+        except Exception as err:
+            # The harness itself (oracle, baseline, judge) failed on this case: a bug of ours, recorded
+            # with the case so it can be replayed, and the search goes on.
+            from harness.isolate import short_error
+
+            self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
+            return False
+        self.report.tried += 1
+        if self.report.first_judged_s is None:
+            self.report.first_judged_s = self._elapsed()
+        self.report.production_cases += at_production_shape(fitted)
+        self._note_ratios(outcome)
+        if self.observe is not None:
+            self.observe(outcome)
+        explained = self._note_known(outcome)
+        # Known defects do not steer the search: it climbs toward the largest error nothing explains.
+        ratio = outcome.worst_ratio(excluding=explained)
+        if target is not None:
+            target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
+        if set(outcome.failing) - explained:
+            self._record(outcome)
+            self._write_summary()
+            if not cfg.keep_going:
+                self._progress(outcome)
+                return True
+        self._progress(outcome)
+        return False
+
+    def _compile_ahead(self, keys, wait: bool = False) -> None:
+        """Natively: compile the keys' representative cases in worker processes (harness/precompile.py); with
+        ``wait``, block until they are compiled, showing progress."""
+        if self.compiler is None:
+            return
+        backward = (False, True) if self.backward is None else (self.backward,)
+        jobs = self.compiler.submit([replace(k.case(), pass_="backward" if b else "forward") for k in keys
+                                     for b in backward])
+        if wait and jobs:
+            def shown(done, total):
+                if self.progress is not None:
+                    self.progress({"compiling": f"compiling ahead {done}/{total} (key {keys[0].describe()})",
+                                   "elapsed": self._elapsed()})
+            self.compiler.wait(jobs, shown)
+
+    def _representatives(self, keys) -> bool:
+        """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
+        the campaign."""
+        backward = (False, True) if self.backward is None else (self.backward,)
+        for key in keys:
+            for b in backward:
+                if self._out_of_budget():
+                    return False
+                choice = key.boundary.config if key.boundary is not None and self.config.autotune in (
+                    "tuned", "random") else (0 if self.config.autotune == "random" else self.config.autotune)
+                if self._judge(replace(key.case(), pass_="backward" if b else "forward"), choice):
+                    return True
+        return False
+
     def run(self) -> FuzzReport:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -370,6 +457,7 @@ class Fuzzer:
 
         cfg = self.config
         self._start = time.perf_counter()
+        self.report.setup_s = self._start - self._created
         os.makedirs(self.out_dir, exist_ok=True)
         if cfg.autotune == "random":
             choices = st.integers(0, 7)
@@ -403,45 +491,9 @@ class Fuzzer:
                 return
             if boundary is not None and cfg.autotune in ("tuned", "random"):
                 choice = boundary.config        # the config whose block this case straddles
-            fitted = self.examiner.fit(case)
-            reason = None
-            if fitted is None:
-                reason = next(iter(self.examiner.skip_reasons(case)), "outside the capabilities")
-            elif cfg.known == "skip":
-                defect = next(filter(None, (known.matching(s, fitted) for s in self.examiner.sides)), None)
-                reason = f"known defect {defect.id} (--known skip)" if defect else None
-            if reason:
-                self.report.skipped += 1
-                self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
-                return
-            try:
-                outcome = self.examiner.examine(fitted, choice)
-            except Exception as err:
-                # The harness itself (oracle, baseline, judge) failed on this case: a bug of ours, recorded
-                # with the case so it can be replayed, and the search goes on.
-                from harness.isolate import short_error
-
-                self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
-                return
-            self.report.tried += 1
-            if self.report.first_judged_s is None:
-                self.report.first_judged_s = self._elapsed()
-            self.report.production_cases += at_production_shape(fitted)
-            self._note_ratios(outcome)
-            if self.observe is not None:
-                self.observe(outcome)
-            explained = self._note_known(outcome)
-            # Known defects do not steer the search: it climbs toward the largest error nothing explains.
-            ratio = outcome.worst_ratio(excluding=explained)
-            target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
-            if set(outcome.failing) - explained:
-                self._record(outcome)
-                self._write_summary()
-                if not cfg.keep_going:
-                    stop_reason.append("divergence found")
-                    self._progress(outcome)
-                    raise Stop()
-            self._progress(outcome)
+            if self._judge(case, choice, target):
+                stop_reason.append("divergence found")
+                raise Stop()
 
         def search(max_examples: int, seed, targeted: bool = True):
             keys = self.pool.keys if self.pool else None
@@ -458,7 +510,16 @@ class Fuzzer:
                 pass
 
         try:
-            if cfg.max_examples is not None and self.pool is None:
+            if self.pool is not None:
+                # The first key compiled ahead (and waited for), the others and the next round's key behind it;
+                # then every key's representative case is judged first.
+                self._compile_ahead(self.pool.keys[:1], wait=True)
+                self._compile_ahead(self.pool.keys[1:] + [self.pool.upcoming])
+                if self._representatives(self.pool.keys):
+                    stop_reason.append("divergence found")
+            if stop_reason:
+                pass
+            elif cfg.max_examples is not None and self.pool is None:
                 search(cfg.max_examples, cfg.seed)
             else:
                 # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded from the campaign's
@@ -481,7 +542,12 @@ class Fuzzer:
                         stop_reason.append("five rounds judged no case (every drawn case was skipped)")
                         break
                     if self.pool is not None:
+                        new = self.pool.upcoming
                         self.pool.rotate()
+                        self._compile_ahead([self.pool.upcoming])
+                        if self._representatives([new]):
+                            stop_reason.append("divergence found")
+                            break
             self.report.search_s = self._elapsed()
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
@@ -491,6 +557,8 @@ class Fuzzer:
                     self._minimize(finding)
         finally:
             self.report.search_s = self.report.search_s or self._elapsed()
+            if self.compiler is not None:
+                self.compiler.close()
             self.examiner.close()
             self.report.elapsed = self._elapsed()
             self.report.stopped = self.report.stopped or "interrupted"

@@ -140,6 +140,7 @@ class Pool:
         self._next_boundary = 0
         self.keys = [self.draw(kind) for kind in self._kinds(mix.size)]
         self.round = 0
+        self._plan_next()
 
     def _kinds(self, count: int) -> list:
         """Kinds for ``count`` keys in the mix's proportions (rounded, at least one small key)."""
@@ -150,11 +151,16 @@ class Pool:
         kinds = kinds[:count - 1]
         return ["small"] * (count - len(kinds)) + kinds
 
+    def _plan_next(self):
+        self._slot = self.rng.randrange(len(self.keys))
+        self.upcoming = self.draw(self.keys[self._slot].kind)
+
     def rotate(self) -> list:
-        """The next round's keys: one swapped for a fresh draw of the same kind."""
+        """The next round's keys: one swapped for `upcoming` (drawn a round ahead, so that it can be compiled
+        while the round runs), and the key after it drawn."""
         self.round += 1
-        i = self.rng.randrange(len(self.keys))
-        self.keys[i] = self.draw(self.keys[i].kind)
+        self.keys[self._slot] = self.upcoming
+        self._plan_next()
         return list(self.keys)
 
     # ---- drawing one key ---------------------------------------------------------------------------------

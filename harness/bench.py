@@ -1,0 +1,109 @@
+"""Fuzz throughput as a table: each implementation fuzzed for a fixed budget, cold and warm.
+
+    python -m harness.bench                                  # the default implementations, 300 s each
+    python -m harness.bench --impl mamba_ssm.chunk_scan_combined --dtype bfloat16 --budget 120 --json out.json
+
+Each campaign is its own `ssdiff fuzz` process (so nothing compiled stays in memory between them) with a
+Triton cache of its own: "cold" starts from an empty cache, "warm" runs again on the cache the cold run left
+(TRITON_CACHE_DIR; the autotune results stay on disk with TRITON_CACHE_AUTOTUNING=1). Columns: cases judged
+per minute of search, the time to the first judged case from the process's start (imports, compiling and the
+first case's judgement included), the share at production shapes (seqlen >= 2048 and dstate >= 128), and the largest
+ratio to budget any case reached. Results for the H200 and the CPU: harness/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT = (("mamba_ssm.chunk_scan_combined", "mixed"), ("mamba_ssm.split_conv1d_combined", "mixed"),
+           ("ssdiff.triton", "mixed"), ("fla.chunk_simple_gla", "forward"))
+
+
+def campaign(impl: str, pass_: str, dtype: str, budget: float, cache: str, out: str, extra=()) -> dict:
+    """One `ssdiff fuzz` process; returns its summary's throughput and largest ratio."""
+    env = dict(os.environ, TRITON_CACHE_DIR=cache, TRITON_CACHE_AUTOTUNING="1", SSDIFF_REPORTS=out + "-reports")
+    cmd = [sys.executable, "-m", "harness.cli", "fuzz", "--impl", impl, "--pass", pass_, "--dtype", dtype,
+           "--max-time", str(budget), "--no-minimize", "--no-localize", "--keep-going", "--out", out, *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    try:
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+    except OSError:
+        return {"impl": impl, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no summary"],
+                "wall_s": round(wall, 1)}
+    worst = max((w["ratio"] for w in summary["largest_ratio_by_dtype"].values()), default=None)
+    t = summary.get("throughput", {})
+    return {"impl": impl, "device": summary.get("device"), "dtype": dtype, "pass": pass_,
+            "judged": t.get("judged"), "per_minute": t.get("judged_per_minute"),
+            "first_s": None if t.get("first_judged_after_s") is None else
+            round(t["first_judged_after_s"] + t.get("setup_s", 0.0), 2),
+            "production": t.get("production_shape_cases"),
+            "largest_ratio": worst, "divergences": len(summary.get("divergences", [])),
+            "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])), "wall_s": round(wall, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", action="append", metavar="NAME[:PASS]",
+                        help="implementation and pass (default: " + ", ".join(f"{i}:{p}" for i, p in DEFAULT) + ")")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds per campaign")
+    parser.add_argument("--warm-only", action="store_true", help="skip the cold run (the cache is filled by a "
+                                                                   "short unmeasured run instead)")
+    parser.add_argument("--cache-root", default=None, help="where the per-implementation Triton caches go")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("fuzz_args", nargs="*", help="after --: more `ssdiff fuzz` arguments")
+    args = parser.parse_args(argv)
+    targets = [tuple(s.split(":")) if ":" in s else (s, "mixed") for s in args.impl] if args.impl else DEFAULT
+    root = args.cache_root or tempfile.mkdtemp(prefix="ssdiff-bench-")
+    rows = []
+    for impl, pass_ in targets:
+        cache = os.path.join(root, impl.replace(":", "_"), "triton")
+        out = os.path.join(root, impl.replace(":", "_"))
+        cold = campaign(impl, pass_, args.dtype, 30.0 if args.warm_only else args.budget, cache, out + "/cold",
+                        args.fuzz_args)
+        warm = campaign(impl, pass_, args.dtype, args.budget, cache, out + "/warm", args.fuzz_args)
+        row = {"impl": impl, "pass": pass_, "dtype": args.dtype, "device": warm.get("device"),
+               "cold": None if args.warm_only else cold, "warm": warm}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    print_table(rows, args.budget)
+    return 0
+
+
+def print_table(rows, budget):
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"ssdiff fuzz throughput ({budget:g} s campaigns)")
+    for col in ("implementation", "device", "dtype", "pass", "cold /min", "cold first s", "warm /min",
+                "warm first s", "production", "largest ratio", "divergences"):
+        table.add_column(col)
+
+    def cell(run, key, fmt="{}"):
+        return "-" if not run or run.get(key) is None else fmt.format(run[key])
+
+    for r in rows:
+        cold, warm = r["cold"], r["warm"]
+        share = f"{warm['production']}/{warm['judged']}" if warm.get("judged") else "-"
+        table.add_row(r["impl"], str(r["device"]), r["dtype"], r["pass"], cell(cold, "per_minute"),
+                      cell(cold, "first_s"), cell(warm, "per_minute"), cell(warm, "first_s"), share,
+                      cell(warm, "largest_ratio", "{:.3g}"),
+                      f"{warm.get('divergences', '-')} (+{warm.get('known', 0)} known)"
+                      if "error" not in warm else "; ".join(warm["error"]))
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

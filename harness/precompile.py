@@ -1,0 +1,103 @@
+"""Compiling a campaign's kernels ahead, in parallel on the host's cores (natively only).
+
+Triton compiles in the process that launches, one kernel variant after another (about 0.6 s each on an H200
+host: LLVM, ptxas, the launcher stub); a tuned first case of mamba_chunk_scan_combined forward+backward needs
+over a hundred variants — every config of every kernel. `Compiler` runs each compile key's representative case
+(harness/pool.py, `CompileKey.case`) in worker processes, one job per autotune config index the campaign's
+policy will launch ("tuned" benchmarks them all), so the variants land in Triton's on-disk cache
+(TRITON_CACHE_DIR, ~/.triton/cache) and the campaign's own process loads them instead of compiling. A job
+that fails is reported and otherwise ignored: the campaign's own run of that case is what is judged.
+Workers are spawned processes: a script that runs a campaign at import time needs the usual
+``if __name__ == "__main__":`` guard (the CLI and pytest have it).
+
+    compiler = Compiler(sides, device, autotune)
+    jobs = compiler.submit(cases)   # returns at once; the workers compile in the background
+    compiler.wait(jobs, progress)   # block until those are done (progress(done, total) as they finish)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, wait as wait_all
+from typing import Callable, Optional
+
+from harness import tiling
+
+
+def config_indices(impls, autotune) -> range:
+    """The config indices the campaign's policy launches: every one for "tuned" (benchmarked) and "sweep", the
+    drawn ones for "random" (0..7), the one asked for otherwise."""
+    if isinstance(autotune, int) and not isinstance(autotune, bool):
+        return range(autotune, autotune + 1)
+    most = max([len(t.configs) for i in impls for _, t in tiling.autotuned(i.kernel_modules())] or [1])
+    return range(min(most, 8) if autotune == "random" else most)
+
+
+def _compile_case(spec: str, case_json: str, choice, device: str) -> tuple:
+    """In a worker: run one side on one case under one config index. Returns (seconds, error or "")."""
+    from harness import runtime
+
+    runtime.configure()
+    from harness.case import Case
+    from harness.isolate import resolve
+    from harness.inputs import materialize
+
+    start = time.perf_counter()
+    try:
+        case = Case.from_json(case_json)
+        with runtime.autotune(choice):
+            resolve(spec).run(case, materialize(case, device))
+        return time.perf_counter() - start, ""
+    except Exception as err:                      # a compile or launch failure: the campaign judges it itself
+        return time.perf_counter() - start, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
+class Compiler:
+    """A pool of worker processes compiling representative cases ahead (see the module docstring)."""
+
+    def __init__(self, sides: dict, device: str, autotune, workers: Optional[int] = None):
+        self.sides, self.device = sides, device
+        self.indices = config_indices(sides.values(), autotune)
+        self.workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+        self._executor = None
+        self.futures: list = []
+        self.errors: list = []
+        self.seconds = 0.0
+
+    def submit(self, cases) -> list:
+        """Queue every (side with kernels, case, config index); returns the jobs (futures)."""
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(max_workers=self.workers,
+                                                 mp_context=multiprocessing.get_context("spawn"))
+        queued = []
+        for case in cases:
+            for spec, impl in self.sides.items():
+                if not impl.kernel_modules():
+                    continue
+                for index in self.indices:
+                    queued.append(self._executor.submit(_compile_case, spec, case.to_json(), index, self.device))
+        self.futures += queued
+        return queued
+
+    def wait(self, jobs, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        """Block until ``jobs`` are done."""
+        start = time.perf_counter()
+        pending = [f for f in jobs if not f.done()]
+        total, done = len(pending), 0
+        while pending:
+            finished, pending = wait_all(pending, timeout=1.0, return_when="FIRST_COMPLETED")
+            done += len(finished)
+            for f in finished:
+                _, error = f.result()
+                if error:
+                    self.errors.append(error)
+            if progress is not None:
+                progress(done, total)
+        self.seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
