@@ -23,6 +23,7 @@ Interpreter patches (SPEC.md section 4), installed by `configure()` only under t
    interpreter's ``tensor.__index__`` calls ``int()`` on a 1-element array, which numpy >= 2.4 refuses.
 The autotune wrapper (3) is installed on a GPU too, where "tuned" benchmarks every config of a new autotune key
 as Triton does, for SSDIFF_TUNE_MS (10 ms) each rather than Triton's 125 ms: a fuzz campaign meets many keys.
+On a GPU `configure()` also sets TRITON_CACHE_AUTOTUNING=1 (unless set): the results stay in Triton's cache.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def configure() -> None:
         return
     if not has_gpu():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        # Autotune results on disk beside the compiled kernels (kernels whose configs have no pre_hook).
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if interpreted():
         _patch_cuda_device()
         _patch_device_properties()
