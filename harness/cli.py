@@ -159,7 +159,7 @@ def cmd_fuzz(args) -> int:
         device=args.device, out_dir=getattr(args, "out", None), isolate=getattr(args, "isolate", False),
         timeout=getattr(args, "timeout", 300.0), keep_going=getattr(args, "keep_going", False),
         seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
-        minimize=not getattr(args, "no_minimize", False), bounds=bounds,
+        minimize=not getattr(args, "no_minimize", False), bounds=bounds, pool=getattr(args, "pool", None),
         known=DEMO["known"] if demo else getattr(args, "known", "report"),
         oracle=getattr(args, "oracle", None) or "ref.chunked")
     try:
@@ -285,6 +285,9 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--autotune", default="tuned", metavar="POLICY",
                    help="autotune configs: tuned (default), an index N (config N %% count of every kernel), "
                         "random (an index drawn per case), sweep (every config, every case)")
+    p.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
+                   help="draw each search round from a few compile keys, compiled ahead (harness/pool.py; default: "
+                        "natively yes, under the interpreter no)")
     p.add_argument("--isolate", action="store_true",
                    help="run implementations in a child process: abort, segfault, a poisoned CUDA context and "
                         "hangs become verdicts and the run goes on")
