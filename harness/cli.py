@@ -182,8 +182,8 @@ def cmd_fuzz(args) -> int:
             budget.append(f"{state['elapsed']:.0f}/{config.max_time:.0f} s")
         if config.max_examples is not None:
             budget.append(f"{state['tried']}/{config.max_examples} cases")
-        if state.get("compiling") and not state["tried"]:
-            return Text(f"{state['compiling']} | {', '.join(budget)}")
+        if state.get("ahead") and state["ahead"][0] < state["ahead"][1]:
+            budget.append(f"compiled ahead {state['ahead'][0]}/{state['ahead'][1]}")
         worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
         known_text = f" | known {state['known']}" if state.get("known") else ""
         return Text(f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "

@@ -322,14 +322,15 @@ def _autotuned_skip():
 
         @triton.autotune(configs=[triton.Config({"BLOCK_P": 64}), triton.Config({"BLOCK_P": 32})], key=["P"])
         @triton.jit
-        def skip_kernel(y, x, D, P, H, BLOCK_P: tl.constexpr):
+        def skip_kernel(out, y, x, D, P, H, BLOCK_P: tl.constexpr):
+            # out-of-place, so that autotune's repeated benchmark runs leave the same result
             row, tile = tl.program_id(0), tl.program_id(1)
             offs = tile * BLOCK_P + tl.arange(0, BLOCK_P)
             mask = offs < P
             d = tl.load(D + (row % H) * P + offs, mask=mask, other=0.0)
             xv = tl.load(x + row * P + offs, mask=mask, other=0.0)
             yv = tl.load(y + row * P + offs, mask=mask, other=0.0)
-            tl.store(y + row * P + offs, yv + d * xv, mask=mask)
+            tl.store(out + row * P + offs, yv + d * xv, mask=mask)
 
         skip_kernel.tiles = {"BLOCK_P": "P"}         # what BLOCK_P tiles (harness/tiling.py)
         _skip_kernel = skip_kernel
@@ -359,7 +360,9 @@ class TilingBug(ToyKernel):
             b, L, h, p = y.shape
             D = t["D"] if t["D"].dim() == 2 else t["D"][:, None].expand(h, p)
             y = y.contiguous()
-            _autotuned_skip()[(b * L * h, -(-p // 64))](y, t["x"].contiguous(), D.contiguous(), p, h)
+            out = y.clone()                              # channels no tile reaches keep y without the skip
+            _autotuned_skip()[(b * L * h, -(-p // 64))](out, y, t["x"].contiguous(), D.contiguous(), p, h)
+            y = out
         if t.get("z") is not None:
             y = y * F.silu(t["z"])
         outputs = {"y": y}

@@ -358,6 +358,7 @@ class Fuzzer:
                        "max_time": self.config.max_time, "max_examples": self.config.max_examples,
                        "worst": r.worst, "divergences": len(r.findings),
                        "known": sum(k["reproduced"] for k in r.known.values()),
+                       "ahead": self.compiler.progress() if self.compiler else None,
                        "last": last.case.describe() if last else None})
 
     def _minimize(self, finding: Finding):
@@ -420,20 +421,13 @@ class Fuzzer:
         self._progress(outcome)
         return False
 
-    def _compile_ahead(self, keys, wait: bool = False) -> None:
-        """Natively: compile the keys' representative cases in worker processes (harness/precompile.py); with
-        ``wait``, block until they are compiled, showing progress."""
+    def _compile_ahead(self, keys) -> None:
+        """Natively: compile the keys' representative cases in worker processes (harness/precompile.py)."""
         if self.compiler is None:
             return
         backward = (False, True) if self.backward is None else (self.backward,)
-        jobs = self.compiler.submit([replace(k.case(), pass_="backward" if b else "forward") for k in keys
-                                     for b in backward])
-        if wait and jobs:
-            def shown(done, total):
-                if self.progress is not None:
-                    self.progress({"compiling": f"compiling ahead {done}/{total} (key {keys[0].describe()})",
-                                   "elapsed": self._elapsed()})
-            self.compiler.wait(jobs, shown)
+        self.compiler.submit([replace(k.case(), pass_="backward" if b else "forward") for k in keys
+                              for b in backward])
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
@@ -511,10 +505,10 @@ class Fuzzer:
 
         try:
             if self.pool is not None:
-                # The first key compiled ahead (and waited for), the others and the next round's key behind it;
-                # then every key's representative case is judged first.
-                self._compile_ahead(self.pool.keys[:1], wait=True)
-                self._compile_ahead(self.pool.keys[1:] + [self.pool.upcoming])
+                # Every key and the next round's compiled ahead, not waited for: this process compiles what it
+                # needs before the workers have it (a cold cache) or loads it from disk (warm), and the workers'
+                # variants are on disk by the time it asks for them. Each key's representative case first.
+                self._compile_ahead(self.pool.keys + [self.pool.upcoming])
                 if self._representatives(self.pool.keys):
                     stop_reason.append("divergence found")
             if stop_reason:

@@ -111,7 +111,7 @@ class Production:
     min_seqlen: int = 2048
     max_seqlen: int = 16384
     max_batch: int = 2
-    max_elements: int = 2 ** 23
+    max_elements: int = 2 ** 22
 
 
 @dataclass(frozen=True)

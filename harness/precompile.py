@@ -11,8 +11,8 @@ Workers are spawned processes: a script that runs a campaign at import time need
 ``if __name__ == "__main__":`` guard (the CLI and pytest have it).
 
     compiler = Compiler(sides, device, autotune)
-    jobs = compiler.submit(cases)   # returns at once; the workers compile in the background
-    compiler.wait(jobs, progress)   # block until those are done (progress(done, total) as they finish)
+    compiler.submit(cases)          # returns at once; the workers compile in the background
+    compiler.progress()             # (done, queued), for the progress line
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, wait as wait_all
-from typing import Callable, Optional
+from concurrent.futures import ProcessPoolExecutor
+from typing import Optional
 
 from harness import tiling
 
@@ -63,8 +63,6 @@ class Compiler:
         self.workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
         self._executor = None
         self.futures: list = []
-        self.errors: list = []
-        self.seconds = 0.0
 
     def submit(self, cases) -> list:
         """Queue every (side with kernels, case, config index); returns the jobs (futures)."""
@@ -81,23 +79,19 @@ class Compiler:
         self.futures += queued
         return queued
 
-    def wait(self, jobs, progress: Optional[Callable[[int, int], None]] = None) -> None:
-        """Block until ``jobs`` are done."""
-        start = time.perf_counter()
-        pending = [f for f in jobs if not f.done()]
-        total, done = len(pending), 0
-        while pending:
-            finished, pending = wait_all(pending, timeout=1.0, return_when="FIRST_COMPLETED")
-            done += len(finished)
-            for f in finished:
-                _, error = f.result()
-                if error:
-                    self.errors.append(error)
-            if progress is not None:
-                progress(done, total)
-        self.seconds += time.perf_counter() - start
+    def errors(self) -> list:
+        """The one-line errors of the jobs done so far."""
+        return [f.result()[1] for f in self.futures if f.done() and not f.cancelled() and f.result()[1]]
+
+    def progress(self) -> tuple:
+        """(jobs done, jobs queued)."""
+        return sum(f.done() for f in self.futures), len(self.futures)
 
     def close(self) -> None:
+        """Cancel what is queued and stop the workers (a compile in flight is abandoned)."""
         if self._executor is not None:
+            processes = list(getattr(self._executor, "_processes", {}).values())
             self._executor.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.terminate()
             self._executor = None
