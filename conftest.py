@@ -7,6 +7,11 @@ Profiles (one place, selected by name):
     nightly  many examples, targeting the largest errors
 Select with ``--hypothesis-profile NAME`` or ``SSDIFF_PROFILE=NAME``. ``--device cpu|cuda`` picks the device
 (default: cuda when available).
+
+The device policy: every test that runs tensors takes the ``device`` fixture and passes it on (nothing names
+'cpu' or 'cuda'; `harness.inputs.materialize` has no default device). A fact that holds only under the Triton
+interpreter is marked ``@pytest.mark.interpreter(reason=...)`` and one that needs a GPU
+``@pytest.mark.gpu(reason=...)``: elsewhere they skip, printing the reason. A mark without a reason fails.
 """
 
 from __future__ import annotations
@@ -55,3 +60,16 @@ def _device(config) -> str:
 def device(pytestconfig) -> str:
     """The device implementations run on (``--device``)."""
     return _device(pytestconfig)
+
+
+def pytest_runtest_setup(item):
+    """The interpreter and gpu marks: where the test does not hold, it skips with the mark's reason."""
+    where = {"interpreter": (runtime.interpreted(), "interpreter only"),
+             "gpu": (_device(item.config).startswith("cuda"), "needs a GPU")}
+    for name, (holds_here, words) in where.items():
+        for mark in item.iter_markers(name=name):
+            reason = mark.kwargs.get("reason")
+            if not reason:
+                pytest.fail(f"@pytest.mark.{name} needs reason='...': why the test holds only there", pytrace=False)
+            if not holds_here:
+                pytest.skip(f"{words}: {reason}")

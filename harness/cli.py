@@ -419,6 +419,8 @@ def cmd_known(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from harness import runtime
+
     parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="every implementation, whether it runs here, and why not")
@@ -427,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="describe each implementation")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("selfcheck", help="the three float64 oracles against each other")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=runtime.default_device())
     p.set_defaults(func=cmd_selfcheck)
     p = sub.add_parser("case", help="validate case files and print each one's one-line description")
     p.add_argument("paths", nargs="+", metavar="CASE.json")

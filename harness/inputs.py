@@ -230,8 +230,9 @@ def draw(case) -> tuple:
     return vals, dtypes, grad_outputs
 
 
-def materialize(case: Case, device="cpu") -> Inputs:
-    """Build the inputs of ``case`` on ``device``. Deterministic in (case, device)."""
+def materialize(case: Case, device: str | torch.device) -> Inputs:
+    """Build the inputs of ``case`` on ``device`` (no default: where tensors live is the caller's choice,
+    runtime.default_device() or a test's ``device`` fixture). Deterministic in (case, device)."""
     device = torch.device(device)
     vals, dtypes, grad_outputs = draw(case)
     r = case.regime

@@ -187,6 +187,7 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         return res
     heads, groups, batches, tokens, chunks, parts = set(), set(), set(), set(), set(), set()
     per_row_tokens: dict = {}
+    per_row_chunks: dict = {}
     map_axes = TensorAxes(axes, t.axes.channels if t.axes is not None else ())
     for coord in idx:
         where = coordinates_of(coord, map_axes, case)
@@ -196,6 +197,8 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
                 found.add(where[key])
         if "batch" in where and "token" in where:
             per_row_tokens.setdefault(where["batch"], set()).add(where["token"])
+        if "batch" in where and "chunk" in where:
+            per_row_chunks.setdefault(where["batch"], set()).add(where["chunk"])
     words = []
     head_axis = "head" in axes or any(p in HEAD_PARTS for p in parts)
     if head_axis and heads:
@@ -234,9 +237,9 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         marks = token_sequences(case)
         if per_row_tokens:
             members = [marks[b][tok] for b, toks in per_row_tokens.items() for tok in toks if marks[b][tok]]
-        else:   # chunk-indexed: the sequence at each chunk's first token
-            rows = batches or set(range(case.batch))
-            members = [marks[b][c * case.chunk_size] for b in rows for c in chunks
+        else:   # chunk-indexed: the sequence at each chunk's first token, each chunk in its own batch row
+            rows = per_row_chunks or {b: chunks for b in (batches or range(case.batch))}
+            members = [marks[b][c * case.chunk_size] for b, row_chunks in rows.items() for c in row_chunks
                        if c * case.chunk_size < case.seqlen and marks[b][c * case.chunk_size]]
         if members:
             after = all(k >= 1 for k, _ in members)

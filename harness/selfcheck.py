@@ -58,7 +58,7 @@ class Row:
         return self.worst <= 1.0
 
 
-def disagreements(case: Case, device="cpu", baseline="ref.recurrent") -> list:
+def disagreements(case: Case, device, baseline="ref.recurrent") -> list:
     """Each other oracle against ``baseline``: the worst quantity over outputs, grads, stages."""
     inputs = materialize(case, device)
     base = evaluate(case, inputs, baseline)
@@ -75,7 +75,7 @@ def disagreements(case: Case, device="cpu", baseline="ref.recurrent") -> list:
     return rows
 
 
-def run(device="cpu", cases=BUILTIN_CASES) -> list:
+def run(device, cases=BUILTIN_CASES) -> list:
     rows = []
     for case in cases:
         rows.extend(disagreements(case, device))

@@ -23,7 +23,7 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: 
                          f"(rtol {rtol:g}, atol {ATOL:g}) on {case.describe()}")
 
 
-def oracles_agree(case: Case, device: str = "cpu"):
+def oracles_agree(case: Case, device: str):
     """Every oracle matches ref.recurrent on every output, gradient and stage."""
     inputs = materialize(case, device)
     base = evaluate(case, inputs, "ref.recurrent")
@@ -68,9 +68,9 @@ def slice_tokens(case: Case, tensors: dict, row: int, start: int, end: int, keep
     return out
 
 
-def chunk_size_invariance(case: Case, other_chunk_size: int):
+def chunk_size_invariance(case: Case, device: str, other_chunk_size: int):
     """Outputs and gradients do not depend on the chunk size."""
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     other = case.replace(chunk_size=other_chunk_size)
     for name in ORACLES:
         a, b = evaluate(case, inputs, name), evaluate(other, inputs, name)
@@ -81,10 +81,10 @@ def chunk_size_invariance(case: Case, other_chunk_size: int):
                          GRAD_RTOL, case)
 
 
-def packed_equals_separate(case: Case):
+def packed_equals_separate(case: Case, device: str):
     """Sequences packed with seq_idx give the outputs (and end states) of each sequence run alone."""
     case = forward_only(case)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     padding = case.padding or (0,) * case.batch
     for name in ORACLES:
@@ -109,10 +109,10 @@ def packed_equals_separate(case: Case):
                          RTOL, case)
 
 
-def state_continuation(case: Case, split: int):
+def state_continuation(case: Case, device: str, split: int):
     """Running [0, split) then [split, L) from the first part's final state equals one run (chunk_scan)."""
     case = forward_only(case, return_final_states=True)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     first_case = case.replace(seqlen=split)
     second_case = case.replace(seqlen=case.seqlen - split, initial_states=True)
@@ -127,10 +127,10 @@ def state_continuation(case: Case, split: int):
         assert_close(f"{name} final state split at {split}", second.final_states, whole.final_states, RTOL, case)
 
 
-def group_broadcast(case: Case):
+def group_broadcast(case: Case, device: str):
     """ngroups = g equals ngroups = nheads with B and C repeat-interleaved to every head (chunk_scan)."""
     case = forward_only(case)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     per_head = dict(tensors)
     for key in ("B", "C"):
@@ -143,10 +143,10 @@ def group_broadcast(case: Case):
                      grouped.final_states, RTOL, case)
 
 
-def batch_independence(case: Case):
+def batch_independence(case: Case, device: str):
     """Each batch row computed alone equals its row of the batched run."""
     case = forward_only(case, varlen_states=False)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     for name in ORACLES:
         batched = call(name, case, tensors, inputs.seq_idx)
@@ -160,10 +160,10 @@ def batch_independence(case: Case):
                          batched.final_states[row:row + 1], RTOL, case)
 
 
-def d_broadcast(case: Case):
+def d_broadcast(case: Case, device: str):
     """D of shape (h,) equals D of shape (h, p) holding the same value on every channel."""
     case = forward_only(case, D="head")
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     per_channel = dict(tensors, D=tensors["D"][:, None].expand(case.nheads, case.headdim).contiguous())
     for name in ORACLES:
@@ -172,10 +172,10 @@ def d_broadcast(case: Case):
         assert_close(f"{name} y with D (h,) vs D (h, p)", b.y, a.y, RTOL, case)
 
 
-def padding_is_inert(case: Case, noise_seed: int):
+def padding_is_inert(case: Case, device: str, noise_seed: int):
     """Changing the inputs of padding tokens (seq_idx = -1) changes nothing but their own outputs."""
     case = forward_only(case)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     pad_mask = (inputs.seq_idx < 0)                                   # (b, L)
     gen = torch.Generator().manual_seed(noise_seed)
@@ -183,7 +183,7 @@ def padding_is_inert(case: Case, noise_seed: int):
     for key in TOKEN_TENSORS[case.entry]:
         if key in tensors:
             t = tensors[key]
-            noise = torch.randn(t.shape, generator=gen, dtype=t.dtype) * 3
+            noise = torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) * 3   # same on any device
             m = pad_mask.reshape(pad_mask.shape + (1,) * (t.dim() - 2))
             noisy[key] = torch.where(m, t + noise, t)
     keep = ~pad_mask

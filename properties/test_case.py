@@ -74,8 +74,8 @@ def test_cli_refuses_bad_case_files_with_one_line(tmp_path, text, message):
 
 
 @given(cases(dtypes=("float32", "float16", "bfloat16")))
-def test_inputs_are_deterministic_and_rounded_once(case):
-    a, b = materialize(case), materialize(case)
+def test_inputs_are_deterministic_and_rounded_once(device, case):
+    a, b = materialize(case, device), materialize(case, device)
     assert a.values.keys() == b.values.keys()
     for name, value in a.values.items():
         assert value.dtype == torch.float64

@@ -97,14 +97,14 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
     assert "reproduces the stored verdict exactly" in capsys.readouterr().out
 
 
-def test_minimize_refuses_bad_input(tmp_path, capsys):
+def test_minimize_refuses_bad_input(tmp_path, device, capsys):
     bad = tmp_path / "case.json"
     bad.write_text("{not json")
-    assert main(["minimize", str(bad), "--impl", "ref.chunked"]) == 2
+    assert main(["minimize", str(bad), "--impl", "ref.chunked", "--device", device]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     good = tmp_path / "ok.json"
     good.write_text(Case().to_json())
-    assert main(["minimize", str(good), "--impl", "no.such.impl"]) == 2
+    assert main(["minimize", str(good), "--impl", "no.such.impl", "--device", device]) == 2
     assert "unknown implementation 'no.such.impl'" in capsys.readouterr().err
-    assert main(["minimize", str(good), "--impl", "ref.recurrent"]) == 0
+    assert main(["minimize", str(good), "--impl", "ref.recurrent", "--device", device]) == 0
     assert "nothing to minimize" in capsys.readouterr().out

@@ -14,5 +14,5 @@ from properties.oracle_checks import oracles_agree
               regime=Regime(decay="strong", dt_large=True, scale=0.25), pass_="backward", seed=20013))
 @example(Case(seqlen=1, nheads=2, headdim=1, dstate=7, chunk_size=4, D="none", dt_limit=(0.0, 1.0),
               regime=Regime(decay="mild", values="integer", layout="strided"), seed=1))
-def test_three_oracles_agree(case):
-    oracles_agree(case)
+def test_three_oracles_agree(device, case):
+    oracles_agree(case, device)

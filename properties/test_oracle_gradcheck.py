@@ -12,14 +12,14 @@ TINY = Bounds(max_batch=2, max_seqlen=6, max_nheads=2, max_headdim=2, max_dstate
 
 
 @given(cases(backward=True, bounds=TINY, layouts=("contiguous",)))
-def test_recurrent_oracle_gradients_pass_gradcheck(case):
+def test_recurrent_oracle_gradients_pass_gradcheck(device, case):
     # RMSNorm of a group that is ~0 (integer inputs give z = 0 exactly) has curvature radius sqrt(eps): with
     # eps = 1e-6 that is 1e-3, too close to the finite-difference step for central differences to be accurate
     # (measured: d/dv = 3195.54 analytical vs 3195.48 numerical). eps = 1e-2 keeps every case smooth at the
     # step's scale; the analytical gradient is the same code either way.
     if case.rmsnorm:
         case = case.replace(rmsnorm_eps=1e-2)
-    inputs = materialize(case)
+    inputs = materialize(case, device)
     tensors = inputs.float64()
     names = inputs.differentiable
 

@@ -20,12 +20,13 @@ SEARCH = settings(max_examples=200, derandomize=True, database=None, deadline=No
                   suppress_health_check=list(HealthCheck))
 
 
-def caught(check, strategy) -> str:
-    """Run ``check`` over ``strategy``; return the failure message (the test fails if none is found)."""
+def caught(check, strategy, device: str) -> str:
+    """Run ``check(case, device)`` over ``strategy``; return the failure message (the test fails if none is
+    found)."""
     @SEARCH
     @given(strategy)
     def search(case):
-        check(case)
+        check(case, device)
 
     with pytest.raises(AssertionError) as info:
         search()
@@ -50,33 +51,33 @@ def clamp_then_softplus(dt_t, dt_bias, dt_softplus, dt_limit):
     return dt_t
 
 
-def test_group_index_bug_is_caught(monkeypatch):
+def test_group_index_bug_is_caught(monkeypatch, device):
     monkeypatch.setattr(recurrent, "group_of_head", group_by_modulo)
-    message = caught(oracle_checks.oracles_agree, cases(entry="chunk_scan", backward=False))
+    message = caught(oracle_checks.oracles_agree, cases(entry="chunk_scan", backward=False), device)
     assert "ref.quadratic" in message or "ref.chunked" in message
 
 
-def test_missing_state_reset_is_caught_by_agreement(monkeypatch):
+def test_missing_state_reset_is_caught_by_agreement(monkeypatch, device):
     monkeypatch.setattr(recurrent, "starts_new_sequence", never_reset)
-    caught(oracle_checks.oracles_agree, cases(backward=False))
+    caught(oracle_checks.oracles_agree, cases(backward=False), device)
 
 
-def test_missing_state_reset_is_caught_by_packed_vs_separate(monkeypatch):
+def test_missing_state_reset_is_caught_by_packed_vs_separate(monkeypatch, device):
     monkeypatch.setattr(recurrent, "starts_new_sequence", never_reset)
     message = caught(oracle_checks.packed_equals_separate,
-                     cases(backward=False).filter(lambda c: c.segments is not None))
+                     cases(backward=False).filter(lambda c: c.segments is not None), device)
     assert "ref.recurrent" in message
 
 
-def test_dt_limit_before_softplus_is_caught(monkeypatch):
+def test_dt_limit_before_softplus_is_caught(monkeypatch, device):
     monkeypatch.setattr(recurrent, "process_dt", clamp_then_softplus)
-    caught(oracle_checks.oracles_agree, cases(backward=False))
+    caught(oracle_checks.oracles_agree, cases(backward=False), device)
 
 
-def test_dt_limit_before_softplus_in_the_chunked_oracle_is_caught(monkeypatch):
+def test_dt_limit_before_softplus_in_the_chunked_oracle_is_caught(monkeypatch, device):
     def broken(dt, dt_bias, dt_softplus, dt_limit):
         return clamp_then_softplus(dt, dt_bias, dt_softplus, dt_limit)
 
     monkeypatch.setattr(chunked, "process_dt", broken)
-    message = caught(oracle_checks.oracles_agree, cases(backward=False))
+    message = caught(oracle_checks.oracles_agree, cases(backward=False), device)
     assert "ref.chunked" in message

@@ -1,18 +1,25 @@
-"""harness.runtime's choice of autotune config: a forced config that does not fit the device is passed over.
+"""harness.runtime: a forced autotune config that does not fit the device is passed over; and the device policy
+of this suite (conftest.py) holds.
 
 On an H200, mamba_ssm's config 0 of some kernels needs 296 KB of shared memory in float32 (the limit is
 227 KB). The benchmarking autotuner skips such a config; a forced choice (``--autotune 0``, or the drawn config
 of a GPU property) does too, runs the next config that fits and says so in the launch record, rather than
 reporting OutOfResources as the implementation erroring. The interpreter never runs out of shared memory, so
-the refusal is simulated here by a pre_hook that raises triton's own OutOfResources.
+the refusal is simulated here by a pre_hook that raises triton's own OutOfResources (the autotuner calls it
+before the launch, natively as interpreted).
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness import runtime
+from harness.case import Case
+from harness.inputs import materialize
 
 runtime.configure()
 
@@ -33,26 +40,44 @@ def _scale(x, y, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y + o, tl.load(x + o, mask=o < n) * SCALE, mask=o < n)
 
 
-def _run(choice):
-    x = torch.arange(4, dtype=torch.float32)
+def _run(choice, device):
+    kind = torch.device(device).type
+    if kind not in runtime.kernel_devices():
+        pytest.skip(f"Triton kernels do not run on {kind} here (they run on: "
+                    f"{', '.join(sorted(runtime.kernel_devices())) or 'nothing'})")
+    x = torch.arange(4, dtype=torch.float32, device=device)
     y = torch.zeros_like(x)
     with runtime.autotune(choice):
         _scale[(1,)](x, y, 4, BLOCK=4)
         launches = runtime.launches()
-    return y, launches
+    return y.cpu(), launches
 
 
-@pytest.mark.skipif(not runtime.interpreted(), reason="the simulated refusal needs the interpreter's launch path")
-def test_a_forced_config_that_does_not_fit_is_passed_over_and_named():
-    y, launches = _run(0)
+def test_a_forced_config_that_does_not_fit_is_passed_over_and_named(device):
+    y, launches = _run(0, device)
     assert torch.equal(y, torch.arange(4, dtype=torch.float32) * 3)       # config #1 ran
     (launch,) = launches
     assert launch.index == 1 and launch.nconfigs == 3
     assert "config #0 does not fit this device" in launch.skipped and "shared memory" in launch.skipped
 
 
-@pytest.mark.skipif(not runtime.interpreted(), reason="the simulated refusal needs the interpreter's launch path")
-def test_a_forced_config_that_fits_runs_as_asked():
-    y, launches = _run(2)
+def test_a_forced_config_that_fits_runs_as_asked(device):
+    y, launches = _run(2, device)
     assert torch.equal(y, torch.arange(4, dtype=torch.float32) * 5)
     assert launches[0].index == 2 and launches[0].skipped == ""
+
+
+# ---- the device policy -----------------------------------------------------------------------------------
+
+def test_inputs_have_no_default_device():
+    with pytest.raises(TypeError):
+        materialize(Case())
+
+
+def test_no_property_materializes_inputs_on_a_named_device():
+    """Inputs go to the ``device`` fixture: no module of properties/ passes a literal device name to
+    materialize."""
+    named = re.compile(r"""materialize\([^()]*["'](cpu|cuda)""")
+    found = [f"{path.name}:{number}: {line.strip()}" for path in sorted(Path(__file__).parent.glob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
+    assert not found, "\n".join(found)

@@ -100,38 +100,39 @@ def conv_problems(draw):
                 silu=draw(st.booleans()), dtype=draw(st.sampled_from(sorted(DTYPES))), seed=draw(st.integers(0, 999)))
 
 
-def conv_inputs(p):
+def conv_inputs(p, device):
+    """x, weight, bias (or None), the output's cotangent and seq_idx (or None) on ``device``, drawn on the CPU."""
     gen = torch.Generator().manual_seed(p["seed"])
     dt = DTYPES[p["dtype"]]
-    x = torch.randn(p["batch"], p["dim"], p["length"], generator=gen, dtype=torch.float64).to(dt)
-    w = (torch.randn(p["dim"], p["width"], generator=gen, dtype=torch.float64) / p["width"] ** 0.5).to(dt)
-    b = torch.randn(p["dim"], generator=gen, dtype=torch.float64).to(dt) if p["bias"] else None
-    dout = torch.randn(p["batch"], p["dim"], p["length"], generator=gen, dtype=torch.float64).to(dt)
-    return x, w, b, dout
+    x = torch.randn(p["batch"], p["dim"], p["length"], generator=gen, dtype=torch.float64).to(device, dt)
+    w = (torch.randn(p["dim"], p["width"], generator=gen, dtype=torch.float64) / p["width"] ** 0.5).to(device, dt)
+    b = torch.randn(p["dim"], generator=gen, dtype=torch.float64).to(device, dt) if p["bias"] else None
+    dout = torch.randn(p["batch"], p["dim"], p["length"], generator=gen, dtype=torch.float64).to(device, dt)
+    seq_idx = p["seq_idx"].to(device) if p["seq_idx"] is not None else None
+    return x, w, b, dout, seq_idx
 
 
 @settings(**SETTINGS)
 @given(conv_problems())
-def test_causal_conv1d_forward_matches_float64(p):
-    x, w, b, _ = conv_inputs(p)
-    got = standins.causal_conv1d_fwd(x, w, b, p["seq_idx"], None, None, p["silu"])
-    want = conv_reference(x.double(), w.double(), b.double() if b is not None else None, p["seq_idx"], p["silu"])
+def test_causal_conv1d_forward_matches_float64(device, p):
+    x, w, b, _, seq_idx = conv_inputs(p, device)
+    got = standins.causal_conv1d_fwd(x, w, b, seq_idx, None, None, p["silu"])
+    want = conv_reference(x.double(), w.double(), b.double() if b is not None else None, seq_idx, p["silu"])
     assert got.dtype == x.dtype and got.shape == x.shape
     assert relative(got, want) <= 8 * eps(x.dtype), p
 
 
 @settings(**SETTINGS)
 @given(conv_problems(), st.booleans())
-def test_causal_conv1d_backward_matches_float64(p, into_given_dx):
-    x, w, b, dout = conv_inputs(p)
+def test_causal_conv1d_backward_matches_float64(device, p, into_given_dx):
+    x, w, b, dout, seq_idx = conv_inputs(p, device)
     leaves = [x.double().requires_grad_(), w.double().requires_grad_()]
     if b is not None:
         leaves.append(b.double().requires_grad_())
-    out = conv_reference(leaves[0], leaves[1], leaves[2] if b is not None else None, p["seq_idx"], p["silu"])
+    out = conv_reference(leaves[0], leaves[1], leaves[2] if b is not None else None, seq_idx, p["silu"])
     want = torch.autograd.grad(out, leaves, dout.double())
     given_dx = torch.empty_like(x) if into_given_dx else None
-    dx, dw, db, dh0 = standins.causal_conv1d_bwd(x, w, b, dout, p["seq_idx"], None, None, given_dx, False,
-                                                 p["silu"])
+    dx, dw, db, dh0 = standins.causal_conv1d_bwd(x, w, b, dout, seq_idx, None, None, given_dx, False, p["silu"])
     if into_given_dx:
         assert dx is given_dx, "the extension writes dx into the buffer it is given"
     assert dh0 is None and dx.dtype == x.dtype and dw.dtype == w.dtype
@@ -141,9 +142,9 @@ def test_causal_conv1d_backward_matches_float64(p, into_given_dx):
         assert relative(db, want[2]) <= 32 * eps(x.dtype), p
 
 
-def test_causal_conv1d_fn_is_differentiable_like_the_backward():
+def test_causal_conv1d_fn_is_differentiable_like_the_backward(device):
     p = dict(batch=2, dim=5, length=9, width=4, seq_idx=None, bias=True, silu=True, dtype="float32", seed=3)
-    x, w, b, dout = conv_inputs(p)
+    x, w, b, dout, _ = conv_inputs(p, device)
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
     out = standins.causal_conv1d_fn(*leaves, activation="silu")
     grads = torch.autograd.grad(out, leaves, dout)
@@ -152,10 +153,10 @@ def test_causal_conv1d_fn_is_differentiable_like_the_backward():
         torch.testing.assert_close(a, c)
 
 
-def test_causal_conv1d_standin_refuses_what_it_does_not_implement():
-    x, w = torch.zeros(1, 8, 4), torch.zeros(8, 4)
+def test_causal_conv1d_standin_refuses_what_it_does_not_implement(device):
+    x, w = torch.zeros(1, 8, 4, device=device), torch.zeros(8, 4, device=device)
     with pytest.raises(standins.StandInError, match="initial/final conv states"):
-        standins.causal_conv1d_fwd(x, w, None, None, torch.zeros(1, 8, 3), None, True)
+        standins.causal_conv1d_fwd(x, w, None, None, torch.zeros(1, 8, 3, device=device), None, True)
     with pytest.raises(standins.StandInError, match="activation"):
         standins.causal_conv1d_fn(x, w, activation="relu")
     with pytest.raises(standins.StandInError, match="update"):
@@ -174,7 +175,9 @@ def scan_problems(draw):
                 dtype=draw(st.sampled_from(sorted(DTYPES))), seed=draw(st.integers(0, 999)))
 
 
-def scan_inputs(p):
+def scan_inputs(p, device):
+    """The selective scan's tensors (None where the problem has none) and the output's cotangent on ``device``,
+    drawn on the CPU."""
     gen = torch.Generator().manual_seed(p["seed"])
     dt = DTYPES[p["dtype"]]
     b, d, g, n, L = p["batch"], p["dim"], p["groups"], p["dstate"], p["length"]
@@ -190,7 +193,8 @@ def scan_inputs(p):
     z = randn(b, d, L).to(dt) if p["z"] else None
     bias = (0.1 * randn(d)).float() if p["bias"] else None
     dout = randn(b, d, L).to(dt)
-    return dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias), dout
+    tensors = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=bias)
+    return {k: t.to(device) if t is not None else None for k, t in tensors.items()}, dout.to(device)
 
 
 def _double(t):
@@ -199,8 +203,8 @@ def _double(t):
 
 @settings(**SETTINGS)
 @given(scan_problems())
-def test_selective_scan_forward_matches_float64(p):
-    t, _ = scan_inputs(p)
+def test_selective_scan_forward_matches_float64(device, p):
+    t, _ = scan_inputs(p, device)
     res = standins.selective_scan_fwd(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"],
                                       p["softplus"])
     want_out, want_state = scan_reference(*(_double(t[k]) for k in ("u", "delta", "A", "B", "C", "D", "z",
@@ -214,8 +218,8 @@ def test_selective_scan_forward_matches_float64(p):
 
 @settings(**SETTINGS)
 @given(scan_problems())
-def test_selective_scan_backward_matches_float64(p):
-    t, dout = scan_inputs(p)
+def test_selective_scan_backward_matches_float64(device, p):
+    t, dout = scan_inputs(p, device)
     names = [k for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias") if t[k] is not None]
     leaves = {k: t[k].double().requires_grad_() for k in names}
     out, _ = scan_reference(*(leaves.get(k) for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")),
@@ -233,7 +237,7 @@ def test_selective_scan_backward_matches_float64(p):
         assert relative(got[k], want[k]) <= budget, (k, relative(got[k], want[k]), p)
 
 
-def test_selective_scan_interface_runs_on_the_standin():
+def test_selective_scan_interface_runs_on_the_standin(device):
     """mamba_ssm's selective_scan_fn (its autograd wrapper) drives the stand-in forward and backward."""
     from harness import upstream
     try:
@@ -246,7 +250,7 @@ def test_selective_scan_interface_runs_on_the_standin():
         pytest.skip("the real selective_scan_cuda is installed here")
     p = dict(batch=1, dim=4, groups=2, dstate=3, length=6, D=True, z=True, bias=True, softplus=True, big_dt=False,
              dtype="float32", seed=1)
-    t, dout = scan_inputs(p)
+    t, dout = scan_inputs(p, device)
     leaves = {k: v.clone().requires_grad_() for k, v in t.items() if v is not None}
     out = interface.selective_scan_fn(leaves["u"], leaves["delta"], leaves["A"], leaves["B"], leaves["C"],
                                       leaves["D"], leaves["z"], leaves["delta_bias"], True)
