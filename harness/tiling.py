@@ -67,7 +67,7 @@ def tiled_dims(tuner, block_name: str) -> tuple:
     return ("nheads",) if block_name.endswith("_H") else ("headdim", "dstate")
 
 
-def boundaries(impl, device: str = "cpu") -> tuple:
+def boundaries(impl, device: str) -> tuple:
     """Every boundary of ``impl``'s tiling within the platform's caps, one per (dim, value, block): the first
     config (kernel by kernel, in module order) that runs a block of that size."""
     caps = CAPS["cuda" if str(device).startswith("cuda") else "cpu"]

@@ -22,26 +22,26 @@ from harness.strategies import Bounds, cases, maybe_boundary
 TILING_BUG = "harness.doubles:tiling_bug"
 
 
-def test_boundaries_are_read_from_the_configs_and_the_dimension_their_blocks_tile():
-    found = tiling.boundaries(doubles.tiling_bug, "cpu")
+def test_boundaries_are_read_from_the_configs_and_the_dimension_their_blocks_tile(device):
+    found = tiling.boundaries(doubles.tiling_bug, device)
     assert {b.dim for b in found} == {"headdim"}                 # BLOCK_P tiles headdim only (declared)
     by_value = {(b.value, b.block): b.config for b in found}
     assert by_value[(33, 32)] == 1 and by_value[(65, 32)] == 1   # the small-block config, past its block
     assert by_value[(64, 64)] == 0 and by_value[(65, 64)] == 0
-    assert max(b.value for b in found) <= tiling.CAPS["cpu"]["headdim"]
+    assert max(b.value for b in found) <= tiling.CAPS["cuda" if device.startswith("cuda") else "cpu"]["headdim"]
     # ssdiff's own tuners declare what each block tiles: a block over chunk positions gives no boundary.
     triton = get("ssdiff.triton")
     for name, tuner in tiling.autotuned(triton.kernel_modules()):
-        for b in tiling.boundaries(triton, "cpu"):
+        for b in tiling.boundaries(triton, device):
             if b.kernel == name:
                 assert any(tiling.DECLARED[tuner.tiles[k]] and b.dim in tiling.DECLARED[tuner.tiles[k]]
                            for k in tuner.tiles), (name, b)
 
 
 @settings(max_examples=40)
-@given(st.data())
-def test_a_boundary_case_has_its_dimension_at_the_boundary(data):
-    found = tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), "cpu")
+@given(data=st.data())
+def test_a_boundary_case_has_its_dimension_at_the_boundary(device, data):
+    found = tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), device)
     b = data.draw(st.sampled_from(found))
     case = data.draw(cases(entry="chunk_scan", boundary=b))
     assert getattr(case, b.dim) == b.value and case.nheads % case.ngroups == 0
@@ -73,6 +73,7 @@ def test_the_same_search_without_boundaries_misses_it(tmp_path, device):
 # ---- the compile pool ------------------------------------------------------------------------------------------
 
 def small_pool(seed=0, **kw) -> Pool:
+    """A pool as a GPU campaign builds it (its keys are plain data: drawing them needs no GPU)."""
     return Pool(("chunk_scan", "split_conv1d"), ("float32", "bfloat16"), Bounds(max_seqlen=300, max_headdim=64,
                                                                                  max_dstate=64, max_nheads=12),
                 tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), "cuda"), seed=seed, **kw)
