@@ -13,7 +13,11 @@ those kernels compute:
   in SPEC.md section 7: GPU fp32 is TF32), float32 itself under the Triton interpreter or with
   ``TRITON_F32_DEFAULT=ieee``. The products rounded are the ones Mamba-2 kernels round: C, B; B scaled by
   its decay to the chunk end times dt; C.B^T scaled by the intra-chunk decay times dt; the states entering a
-  chunk; x; the out_proj operands;
+  chunk; x. The out_proj is torch's ``F.linear``, not a ``tl.dot``: its operands are the stored tensors,
+  TF32 only where torch allows it (`linear_precision`);
+- the elementwise roundings a later cancellation magnifies, each a rounding point of its own: the conv1d's
+  partial sums, ``dt + dt_bias`` and softplus's ``exp(x) + 1``, the D skip's ``x * D``, the SwiGLU's
+  products;
 - tensors handed between stages in the dtype kernels store them in: the conv1d output, the normed output
   and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
 - backward through the same graph in float32, every rounding point also rounding the gradient that flows
@@ -37,8 +41,7 @@ from harness import runtime
 from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
-from harness.oracle.chunked import process_dt
-from harness.oracle.mixer import conv_vectorized, norm_vectorized
+from harness.oracle.mixer import norm_vectorized
 from harness.oracle.result import STAGE_ORDER
 
 COMPUTE = torch.float32
@@ -54,6 +57,19 @@ def dot_precision(case: Case, device) -> str:
     if case.dtype in _LOW:
         return case.dtype
     if torch.device(device).type == "cuda" and runtime.fp32_dot() == "tf32":
+        return "tf32"
+    return "float32"
+
+
+def linear_precision(case: Case, device) -> str:
+    """The precision of the out_proj operands: ``F.linear`` in the case dtype is torch's matmul, not a Triton
+    ``tl.dot`` (mamba_ssm ssd_combined.py, MambaSplitConv1dScanCombinedFn.forward: ``out = F.linear(out,
+    outproj_weight, outproj_bias)``). fp32 on a CUDA GPU is TF32 only where torch allows it
+    (``torch.backends.cuda.matmul.allow_tf32``, off by default); everywhere else the operands are used as they
+    are (float16 / bfloat16 operands are already stored in the case dtype)."""
+    if case.dtype in _LOW:
+        return case.dtype
+    if torch.device(device).type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "float32"
 
@@ -122,10 +138,12 @@ class Rounding:
     does not depend on one lucky draw (a gradient summed over every token with cancellation is one number;
     a single baseline can land on it by chance)."""
 
-    def __init__(self, dot_precision: str, store_precision: Optional[str], sample: int = 0):
+    def __init__(self, dot_precision: str, store_precision: Optional[str], sample: int = 0,
+                 linear_precision: Optional[str] = None):
         self.gen = torch.Generator().manual_seed(7919 * sample) if sample else None
         self.dot_precision = dot_precision
         self.store_precision = store_precision
+        self.linear_precision = linear_precision or dot_precision
 
     def _apply(self, t, precision, perturb_value=True):
         if precision == "float32" and self.gen is None:
@@ -137,6 +155,10 @@ class Rounding:
 
     def operand(self, t):
         return self._apply(t, self.dot_precision, perturb_value=False)
+
+    def linear_operand(self, t):
+        """An operand of torch's F.linear (the out_proj), in `linear_precision`."""
+        return self._apply(t, self.linear_precision, perturb_value=False)
 
     def store(self, t):
         return self._apply(t, self.store_precision or "float32")
@@ -175,7 +197,7 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     r = h // g
     dev = x.device
 
-    d = keep(process_dt(dt, dt_bias, dt_softplus, dt_limit))                 # (b, L, h) fp32
+    d = keep(_dt(dt, dt_bias, dt_softplus, dt_limit, rounding))              # (b, L, h) fp32
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=dev)
 
     def chunks(t):
@@ -259,12 +281,59 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
         varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], d_g[0], xq[0], Bq[0], passed[0], prev_last[0], Q, L,
                                       rounding)
     if D is not None:
-        y = y + (D[:, None] if D.dim() == 1 else D) * x
+        # acc += x * D in float32 (mamba_ssm ssd_chunk_scan.py): the scan and the skip may cancel.
+        y = y + keep((D[:, None] if D.dim() == 1 else D) * x)
         stages["skip"] = y
     if z is not None:
         y = rounding.grad_store(y) * F.silu(z)
         stages["gated"] = y
     return y, final, varlen, stages
+
+
+def _dt(dt, dt_bias, dt_softplus, dt_limit, rounding: Rounding = EXACT):
+    """dt as the chunk-cumsum kernel computes it in float32 (mamba_ssm ssd_chunk_state.py,
+    _chunk_cumsum_fwd_kernel): ``dt += dt_bias``, softplus below 20, clamped to dt_limit. The softplus is
+    Triton 3's ``log(exp(x) + 1)`` (mamba_ssm/ops/triton/softplus.py, both releases): ``exp(x) + 1`` rounds to
+    float32 first, an absolute error of u that the log hands on unchanged, so dt ~ 0.05 (the usual pre-softplus
+    -3) carries u / dt ~ 20 units of relative error. Both sums are rounding points."""
+    keep = rounding.keep
+    if dt_bias is not None:
+        dt = keep(dt + dt_bias)
+    if dt_softplus:
+        below = dt <= 20.0
+        dt = torch.where(below, torch.log(keep(torch.exp(torch.where(below, dt, torch.zeros_like(dt))) + 1.0)), dt)
+    low, high = dt_limit
+    dt = torch.maximum(dt, torch.full_like(dt, low))
+    if high != math.inf:
+        dt = torch.minimum(dt, torch.full_like(dt, high))
+    return dt
+
+
+def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT):
+    """The depthwise causal conv1d as causal_conv1d computes it (float32; the bias first, then one
+    multiply-add per tap, oldest first), each partial sum a rounding point: where the taps cancel, their
+    rounding (u times the partial sums) is most of the output's error. A tap from another sequence (seq_idx)
+    counts nothing. (b, L, ch) -> (b, L, ch)."""
+    b, L, ch = xBC.shape
+    W = weight.shape[1]
+    acc = bias.expand(b, L, ch)
+    for k in range(W):
+        shift = W - 1 - k                                                    # tap k reads `shift` tokens back
+        if shift >= L:
+            continue
+        src = F.pad(xBC, (0, 0, shift, 0))[:, :L]
+        if shift:
+            src = src * (F.pad(seq, (shift, 0), value=-2)[:, :L] == seq).to(src.dtype)[..., None]
+        acc = rounding.keep(acc + weight[:, k] * src)
+    return F.silu(acc) if activation == "silu" else acc
+
+
+def _swiglu(zx0, d_nonssm, rounding: Rounding = EXACT):
+    """The SwiGLU branch as mamba_ssm's _swiglu_fwd_kernel computes it in float32 (k_activations.py:
+    ``x * tl.sigmoid(x) * y``), each product a rounding point."""
+    x, y = zx0.split(d_nonssm, dim=-1)
+    keep = rounding.keep
+    return keep(keep(x * keep(torch.sigmoid(x))) * y)
 
 
 def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L, rounding: Rounding = EXACT):
@@ -293,7 +362,7 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     zx0, z, xBC, dt = torch.split(tensors["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=xBC.device)
     dot, store = rounding.dot, rounding.store
-    xBC = store(conv_vectorized(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation))
+    xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
     y, final, _, stages = scan(
@@ -306,13 +375,13 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     if rms is not None:
         y = norm_vectorized(y, z, rms, g, case.rmsnorm_eps, case.norm_before_gate)
     if case.d_nonssm:
-        first, second = zx0.split(case.d_nonssm, dim=-1)
-        y = torch.cat([F.silu(first) * second, y], dim=-1)
+        y = torch.cat([_swiglu(zx0, case.d_nonssm, rounding), y], dim=-1)
     if rms is not None or case.d_nonssm:
         y = store(y)
         stages["normed"] = y
     if "outproj_weight" in tensors:
-        y = F.linear(rounding.operand(y), rounding.operand(tensors["outproj_weight"]), tensors.get("outproj_bias"))
+        y = F.linear(rounding.linear_operand(y), rounding.linear_operand(tensors["outproj_weight"]),
+                     tensors.get("outproj_bias"))
     return y, final, stages
 
 
@@ -324,7 +393,8 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
     ``device`` decides the dot precision (TF32 on a CUDA GPU for fp32); default: the inputs' device.
     ``sample`` 0 rounds to nearest; k >= 1 draws a perturbed sample (see `Rounding`)."""
     device = device if device is not None else inputs.device
-    rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, sample)
+    rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, sample,
+                        linear_precision(case, device))
     leaves = inputs.leaves(COMPUTE, requires_grad=case.backward)
 
     def forward() -> Evaluation:

@@ -1,0 +1,194 @@
+"""Calibration as a benchmark: how much of the budget healthy implementations use.
+
+Not a test. For each implementation and dtype, a fuzz campaign (harness.fuzz.Fuzzer: keep going, no
+localization or minimization, known defects reported) judges N cases; every output and gradient verdict's
+*required factor* — its ratio times FACTOR, i.e. the FACTOR at which it would just pass — is collected:
+
+    python -m harness.calibrate --impl mamba_ssm.chunk_scan_combined --impl mamba_ssm.split_conv1d_combined \
+        --dtype float32,float16 --cases 1250 [--device cpu] [--pass mixed] [--seed 0] [--json calibration.json]
+
+It prints per implementation and dtype: the cases judged, the tensor verdicts, the required factor's median,
+99th percentile and maximum for outputs and for gradients, the divergences no known defect explains and the
+known-defect matches (a side whose divergence a known defect explains is counted there, not measured). The JSON
+holds the same, each undeclared divergence's case and the ten largest required factors with their cases; it is
+rewritten after every campaign, so a long run can be read while it goes on.
+harness/README.md ("Why FACTOR = 4") publishes the figures.
+
+The search is Hypothesis's: with an example budget its second half climbs toward larger ratios (the fuzz's
+target), so the tail figures are those of a search for the worst case, not of independent draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+from harness import known
+from harness.fuzz import PASSES, FuzzConfig, Fuzzer
+from harness.verdict import FACTOR
+
+KINDS = {"output": "outputs", "grad": "gradients"}
+WORST_KEPT = 10
+CHECKPOINT = 100
+
+
+def quantile(values: list, q: float) -> Optional[float]:
+    """The ``q`` quantile of ``values`` (linear between order statistics), None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass
+class Row:
+    """One campaign: ``impl`` in ``dtype`` on ``device``."""
+
+    impl: str
+    device: Optional[str]
+    dtype: str
+    factor: float = FACTOR
+    cases: int = 0
+    skipped: int = 0
+    required: dict = field(default_factory=lambda: {kind: [] for kind in KINDS.values()})
+    divergences: list = field(default_factory=list)      # undeclared: no known defect explains them
+    known: dict = field(default_factory=dict)             # defect id -> cases it explained
+    worst: list = field(default_factory=list)             # the WORST_KEPT largest required factors
+    elapsed_s: float = 0.0
+
+    def observe(self, outcome):
+        """Fuzzer's ``observe`` callback: collect one judged case's required factors and divergences. A side
+        whose divergence a known defect explains is counted under the defect, not measured."""
+        case = outcome.case
+        for side, verdict in outcome.verdicts.items():
+            defect = known.matching(side, case) if not verdict.ok else None
+            if defect is not None:
+                self.known[defect.id] = self.known.get(defect.id, 0) + 1
+                continue
+            for tv in verdict.tensors:
+                kind = KINDS.get(tv.kind)
+                if kind is None or tv.status not in ("ok", "diverged") or not math.isfinite(tv.ratio):
+                    continue
+                required = tv.ratio * self.factor
+                self.required[kind].append(required)
+                self.worst.append({"required": required, "side": side, "tensor": tv.name, "case": case.describe(),
+                                   "case_dict": case.to_dict()})
+            self.worst = sorted(self.worst, key=lambda w: -w["required"])[:WORST_KEPT]
+            if verdict.ok:
+                continue
+            self.divergences.append({"side": side, "status": verdict.status, "ratio": _finite(verdict.ratio),
+                                     "tensors": [t.name for t in verdict.tensors if not t.ok],
+                                     "message": verdict.message(), "case": case.to_dict()})
+
+    def summary(self) -> dict:
+        stats = {kind: {"verdicts": len(v), "median": quantile(v, 0.5), "p99": quantile(v, 0.99),
+                        "max": max(v) if v else None} for kind, v in self.required.items()}
+        return {"impl": self.impl, "device": self.device, "dtype": self.dtype, "factor": self.factor,
+                "cases": self.cases, "skipped": self.skipped,
+                "tensor_verdicts": sum(len(v) for v in self.required.values()), "required_factor": stats,
+                "divergences": self.divergences, "known": self.known, "worst": self.worst,
+                "elapsed_s": round(self.elapsed_s, 1)}
+
+
+def _finite(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+def campaign(impl: str, dtype: str, cases: int, device: Optional[str], pass_: str, seed: Optional[int],
+             checkpoint: Callable[[Row], None] = lambda row: None) -> Row:
+    """Judge ``cases`` Hypothesis-drawn cases of ``impl`` in ``dtype``; the row of figures. ``checkpoint(row)``
+    is called every CHECKPOINT judged cases (a long run's partial figures)."""
+    config = FuzzConfig(impl=impl, dtypes=(dtype,), device=device, pass_=pass_, seed=seed, max_examples=cases,
+                        max_time=None, keep_going=True, localize=False, minimize=False, known="report",
+                        report_dir=None, out_dir=tempfile.mkdtemp(prefix="ssdiff-calibrate-"))
+    row = Row(impl, device, dtype)
+    start = time.perf_counter()
+
+    def progress(state):
+        row.cases, row.skipped, row.elapsed_s = state["tried"], state["skipped"], time.perf_counter() - start
+        if state["tried"] and state["tried"] % CHECKPOINT == 0 and state["tried"] != getattr(progress, "last", 0):
+            progress.last = state["tried"]
+            checkpoint(row)
+
+    fuzzer = Fuzzer(config, progress=progress, observe=row.observe)
+    row.device = config.device                        # the Fuzzer settles the default
+    report = fuzzer.run()
+    row.elapsed_s = time.perf_counter() - start
+    row.cases, row.skipped = report.tried, report.skipped
+    return row
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def table(rows: list):
+    from rich.table import Table
+
+    t = Table(title=f"required factor (ratio x FACTOR = {FACTOR:g}) of healthy implementations")
+    for name in ("implementation", "device", "dtype", "cases", "tensor verdicts", "outputs median / p99 / max",
+                 "gradients median / p99 / max", "divergences", "known"):
+        t.add_column(name, justify="left" if name in ("implementation", "device", "dtype") else "right")
+    for row in rows:
+        s = row.summary()
+        q = s["required_factor"]
+        spread = lambda k: " / ".join(_fmt(q[k][m]) for m in ("median", "p99", "max"))
+        t.add_row(row.impl, row.device, row.dtype, str(row.cases), str(s["tensor_verdicts"]), spread("outputs"),
+                  spread("gradients"), str(len(row.divergences)), str(sum(row.known.values())))
+    return t
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", action="append", required=True, help="implementation (repeatable)")
+    parser.add_argument("--dtype", default="float32,float16", help="comma-separated dtypes")
+    parser.add_argument("--cases", type=int, required=True, help="Hypothesis examples per implementation and dtype")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: where kernels run here)")
+    parser.add_argument("--pass", dest="pass_", default="mixed", choices=PASSES)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the figures here (every %d cases)" % CHECKPOINT)
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    from harness.report.environment import environment
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    command = " ".join(["python -m harness.calibrate"] + list(sys.argv[1:] if argv is None else argv))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    rows: list = []
+
+    def write(current: Optional[Row] = None):
+        if current is not None:
+            console.print(f"{current.impl} {current.dtype}: {current.cases} cases judged, {current.elapsed_s:.0f} s")
+        if not args.json:
+            return
+        done = rows + ([current] if current else [])
+        record = {"command": command, "started": started, "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "complete": current is None and len(rows) == len(args.impl) * len(args.dtype.split(",")),
+                  "factor": FACTOR, "pass": args.pass_, "seed": args.seed,
+                  "environment": environment(done[0].device if done else args.device),
+                  "rows": [r.summary() for r in done]}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+
+    for impl in args.impl:
+        for dtype in args.dtype.split(","):
+            rows.append(campaign(impl, dtype, args.cases, args.device, args.pass_, args.seed, checkpoint=write))
+            write()
+            console.print(table(rows[-1:]))
+    console.print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
