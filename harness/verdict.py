@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from harness.axes import TensorAxes, axes_of, coordinates_of
@@ -291,7 +292,8 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     tv.rel_rms = float(err.pow(2).sum().sqrt()) / scale
     tv.baseline_rel_rms = float(berr.pow(2).sum().sqrt()) / scale
     flat = int(ratio.reshape(-1).argmax())
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape))
+    # numpy's unravel_index: torch's imports torch.fx and sympy on first use (about 4 s of a GPU campaign)
+    index = tuple(int(i) for i in np.unravel_index(flat, tuple(t.shape)))
     tv.worst = {"index": list(index), "coords": coordinates_of(index, axes, case), "actual": float(a[index]),
                 "expected": float(ref[index]), "error": float(err[index]), "budget": float(budget[index]),
                 "baseline_error": float(berr[index]), "cell_noise": float(noise[ids[index]])}
