@@ -87,7 +87,9 @@ class FuzzConfig:
     # Draw each round's cases from a rotating pool of compile keys (harness/pool.py): None natively only (where
     # kernels compile), True always, False never.
     pool: Optional[bool] = None
-    pool_mix: Mix = field(default_factory=Mix)
+    # The pool's kinds of key; None: Mix() with the default bounds, no production keys with bounds given (a
+    # campaign told to stay small stays small).
+    pool_mix: Optional[Mix] = None
     # With a pool: compile each key's representative case ahead in worker processes (harness/precompile.py).
     compile_ahead: bool = True
     oracle: str = oracle.DEFAULT_ORACLE
@@ -237,7 +239,8 @@ class Fuzzer:
         self.pool = None
         use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
         if use_pool and any(i.kernel_modules() for i in self.impls.values()):
-            self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=cfg.pool_mix,
+            mix = cfg.pool_mix or (Mix() if cfg.bounds is None else Mix(production=0.0))
+            self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
                              seed=cfg.seed, accept=lambda key: self.examiner.fit(key.case()) is not None)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
