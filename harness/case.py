@@ -352,7 +352,7 @@ def _violations(c: Case):
             yield "segments: the decode entry has one sequence per batch row (rows map to state slots instead)"
         if c.pass_ != "forward":
             yield "pass_: the decode entry is forward only (a step kernel has no backward)"
-    else:
+    if c.entry == "split_conv1d":
         if c.conv_width < 1:
             yield f"conv_width={c.conv_width} must be at least 1"
         if c.d_nonssm < 0:
