@@ -191,3 +191,29 @@ def test_a_group_read_by_the_wrong_heads_is_found_on_the_misgrouped_heads(tmp_pa
     for coords in finding.localization["per_side"][spec]["coordinates"]:
         assert set(coords["heads"]) <= misgrouped and coords["heads"], coords["text"]
     assert "groups" in finding.localization["features"]["trigger"]
+
+
+def test_a_planted_step_bug_minimizes_to_a_small_decode_case_whose_repro_diverges(tmp_path, device):
+    """The minimizer shrinks decode steps and the prefill with the rest; repro.py (its float64 oracle runs the
+    prefill, rounds the state to its dtype and decodes from it) exits non-zero while the bug is there."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.minimize import minimize_outcome
+
+    spec = "harness.doubles:step_no_decay_bug"
+    start = Case(entry="decode", batch=2, seqlen=7, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
+                 D="channel", has_z=True, state_batch_indices=True, state_dtype="float16")
+    with Examiner([spec], device) as examiner:
+        outcome = examiner.examine(start)
+        assert not outcome.verdicts[spec].ok
+        minimized = minimize_outcome(examiner, outcome, str(tmp_path), max_runs=60)
+    small = minimized.minimal
+    assert small.entry == "decode" and small.decode_steps == 1 and small.batch == 1 and small.nheads == 1
+    assert small.prefill_len >= 1 or small.initial_states     # a decay bug needs a state to decay
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # its sides come through this ssdiff
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(tmp_path / "repro.py")], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert run.returncode == 1 and "DIVERGES" in run.stdout, run.stdout + run.stderr
