@@ -162,6 +162,8 @@ class Case:
     def to_dict(self) -> dict:
         out = {}
         for f in fields(self):
+            if f.name in DECODE_FIELDS and self.entry != "decode":
+                continue                # other entries' JSON stays as it was before the decode entry
             value = getattr(self, f.name)
             if f.name == "regime":
                 value = dataclasses.asdict(value)
@@ -263,6 +265,7 @@ class Case:
 
 # ---- validation ------------------------------------------------------------------------------------------
 
+DECODE_FIELDS = ("decode_steps", "state_dtype", "state_batch_indices")
 _REQUIRED_IN_JSON = ("entry", "batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "dtype")
 
 _INT_FIELDS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "conv_width",
