@@ -6,7 +6,7 @@
     found on  cpu (CPU, Triton interpreter; dtypes float32, float16; fp32 dot ieee; autotune tuned (interpreter: first config); sm_count 132); torch 2.13.0+cpu, triton 3.6.0, mamba-ssm 2.3.2.post1
     mamba_ssm.selective_state_update raised an exception: TypeError: Value after * must be an iterable, not int (at /work/main/.venv/lib/python3.11/site-packages/mamba_ssm/ops/triton/selective_state_update.py:201 in selective_state_update)
 
-Run it with nothing but torch, triton, ssdiff, numpy (the Triton interpreter imports it) installed:
+Run it with nothing but torch, triton, mamba-ssm, einops, numpy (the Triton interpreter imports it) installed:
 
     python repro.py          exit status 1 while the divergence exists, 0 once it is fixed
 
@@ -235,21 +235,32 @@ def oracle_scan(x, dt, A, B, C, D, z, dt_bias, softplus, dt_limit, h0, seq, ends
 def oracle(t, seq):
     """Every tensor in float64; returns {"y": ..., "final_states": ...}."""
     f = {k: v.double() for k, v in t.items()}
-    # the prefill [0, P): its final state rounded to the state dtype is where the step kernel starts (ssdiff takes
-    # it from its chunked oracle; the same map, so they agree to the state dtype's rounding)
-    P = CASE["seqlen"] - CASE["decode_steps"]
-    state_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[CASE["state_dtype"]]
-    cut = lambda k, lo, hi: f[k][:, lo:hi] if k in f else None
-    S = f.get("initial_states", torch.zeros(CASE["batch"], CASE["nheads"], CASE["headdim"], CASE["dstate"],
-                                            dtype=torch.float64, device=f["x"].device))
-    if P:
-        _, S, _ = oracle_scan(cut("x", 0, P), cut("dt", 0, P), f["A"], cut("B", 0, P), cut("C", 0, P), None, None,
-                              f.get("dt_bias"), CASE["dt_softplus"], DT_LIMIT, S, None)
-    S = S.to(state_dtype).double()
-    L = CASE["seqlen"]
-    y, final, _ = oracle_scan(cut("x", P, L), cut("dt", P, L), f["A"], cut("B", P, L), cut("C", P, L), f.get("D"),
-                              cut("z", P, L), f.get("dt_bias"), CASE["dt_softplus"], DT_LIMIT, S, None)
+    # the decoded tokens [P, seqlen), from the prefill's state (main() puts it in t["state"])
+    P, L = CASE["seqlen"] - CASE["decode_steps"], CASE["seqlen"]
+    cut = lambda k: f[k][:, P:L] if k in f else None
+    y, final, _ = oracle_scan(cut("x"), cut("dt"), f["A"], cut("B"), cut("C"), f.get("D"), cut("z"), f.get("dt_bias"),
+                              CASE["dt_softplus"], DT_LIMIT, f["state"], None)
     return {"y": y, "final_states": final}
+
+
+def prefill_state(values):
+    """The state after the prefill [0, seqlen - decode_steps) in float64, rounded to the state dtype: where the
+    step kernel starts (ssdiff takes it from its chunked oracle; the same map, equal to that rounding)."""
+    f = values
+    P = CASE["seqlen"] - CASE["decode_steps"]
+    S = f.get("initial_states", torch.zeros(CASE["batch"], CASE["nheads"], CASE["headdim"], CASE["dstate"],
+                                            dtype=torch.float64))
+    if P:
+        cut = lambda k: f[k][:, :P]
+        _, S, _ = oracle_scan(cut("x"), cut("dt"), f["A"], cut("B"), cut("C"), None, None, f.get("dt_bias"),
+                              CASE["dt_softplus"], DT_LIMIT, S, None)
+    return S.to(STATE_DTYPE).double()
+
+
+STATE_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[CASE["state_dtype"]]
+# with state_batch_indices, row i's state lives in slot STATE_INDICES[i] (ssdiff's permutation, drawn the same way)
+STATE_INDICES = (torch.randperm(CASE["batch"], generator=torch.Generator().manual_seed(CASE["seed"] + 1))
+                 .to(torch.int32).to(DEVICE) if CASE["state_batch_indices"] else None)
 
 
 DT_LIMIT = tuple(float(v) for v in CASE["dt_limit"]) if CASE["dt_limit"] is not None else (0.0, math.inf)
@@ -309,19 +320,247 @@ def patch_for_the_triton_interpreter():
 
 patch_for_the_triton_interpreter()
 
+# ---- STAND-INS (CPU): causal_conv1d and selective_scan_cuda in torch, ssdiff's harness/standins.py verbatim ----
+"""Pure-torch stand-ins for the two CUDA extensions mamba_ssm reaches for: causal_conv1d and selective_scan_cuda.
+
+On a machine without them (every CPU machine; a GPU machine where they were not built) harness.upstream puts
+these in their place, so that mamba_split_conv1d_scan_combined and mamba_split_conv1d_scan_ref can run. They
+follow the extensions' calling conventions (argument order, layouts, in-place outputs, return tuples) and
+their numerics (compute in float32, store in the input dtype), and are checked against float64 in
+properties/test_standins.py. Every result computed with one carries a note saying so (`NOTES`).
+
+causal_conv1d (x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,), seq_idx: (batch, seqlen) int32):
+    out[b, c, t] = act(bias[c] + sum_k weight[c, k] * x[b, c, t - (width - 1) + k]),
+    a tap counting only when its token has the same seq_idx as token t (no initial/final conv states).
+selective_scan_cuda (u, delta: (batch, dim, seqlen), A: (dim, dstate) real, B, C: (batch, groups, dstate,
+seqlen), D: (dim,), z like u, delta_bias: (dim,)):
+    delta' = softplus(delta + delta_bias) (identity above 20);  s_t = exp(delta'_t A) s_{t-1} + delta'_t B_t u_t
+    out_t = <s_t, C_t> + D u_t;  out_z = out * silu(z).
+"""
+
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+NOTES = {
+    "causal_conv1d": "causal_conv1d: the CUDA extension is absent; a float64-checked torch stand-in "
+                     "(harness.standins) computed the depthwise conv",
+    "selective_scan_cuda": "selective_scan_cuda: the CUDA extension is absent; a float64-checked torch stand-in "
+                           "(harness.standins) computed the selective scan",
+}
+
+
+class StandInError(NotImplementedError):
+    """The caller asked for something the stand-in does not implement (the real extension would)."""
+
+
+# ---- causal_conv1d ---------------------------------------------------------------------------------------
+
+def conv_float32(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
+    """The depthwise causal conv in float32 (differentiable). x (b, dim, L) -> (b, dim, L) float32."""
+    xf, wf = x.float(), weight.float()
+    width, length = wf.shape[1], xf.shape[-1]
+    acc = torch.zeros_like(xf)
+    for k in range(width):
+        back = width - 1 - k                    # tap k reads the token `back` steps earlier
+        if back >= length:
+            continue
+        src = F.pad(xf, (back, 0))[..., :length]
+        if seq_idx is not None and back:
+            same = F.pad(seq_idx, (back, 0), value=-(2**30))[..., :length] == seq_idx
+            src = src * same[:, None, :].to(src.dtype)
+        acc = acc + wf[:, k, None] * src
+    if bias is not None:
+        acc = acc + bias.float()[:, None]
+    return F.silu(acc) if silu else acc
+
+
+def _no_conv_states(initial_states, final_states_out):
+    if initial_states is not None or final_states_out is not None:
+        raise StandInError("the causal_conv1d stand-in has no initial/final conv states")
+
+
+def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states_out, silu_activation):
+    """causal_conv1d_cuda.causal_conv1d_fwd / causal_conv1d.cpp_functions.causal_conv1d_fwd_function."""
+    _no_conv_states(initial_states, final_states_out)
+    with torch.no_grad():
+        return conv_float32(x, weight, bias, seq_idx, bool(silu_activation)).to(x.dtype)
+
+
+def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, return_dinitial_states,
+                      silu_activation):
+    """The backward: (dx, dweight, dbias, dinitial_states); writes dx in place when it is given."""
+    _no_conv_states(initial_states, dfinal_states)
+    if return_dinitial_states:
+        raise StandInError("the causal_conv1d stand-in has no initial conv states")
+    with torch.enable_grad():
+        xf = x.detach().float().requires_grad_(True)
+        wf = weight.detach().float().requires_grad_(True)
+        bf = bias.detach().float().requires_grad_(True) if bias is not None else None
+        out = conv_float32(xf, wf, bf, seq_idx, bool(silu_activation))
+        leaves = [xf, wf] + ([bf] if bf is not None else [])
+        grads = torch.autograd.grad(out, leaves, dout.float())
+    if dx is not None:
+        dx.copy_(grads[0])
+    else:
+        dx = grads[0].to(x.dtype)
+    dbias = grads[2].to(bias.dtype) if bias is not None else None
+    return dx, grads[1].to(weight.dtype), dbias, None
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None):
+    """causal_conv1d.causal_conv1d_fn: differentiable (torch autograd through the float32 computation)."""
+    if activation not in (None, "silu", "swish"):
+        raise StandInError(f"activation must be None, silu or swish, got {activation!r}")
+    _no_conv_states(initial_states, final_states_out)
+    if return_final_states:
+        raise StandInError("the causal_conv1d stand-in does not return final conv states")
+    return conv_float32(x, weight, bias, seq_idx, activation in ("silu", "swish")).to(x.dtype)
+
+
+def causal_conv1d_update(*args, **kwargs):
+    raise StandInError("the causal_conv1d stand-in has no decode-time update")
+
+
+causal_conv1d_cuda = types.ModuleType("causal_conv1d_cuda")
+causal_conv1d_cuda.__doc__ = "ssdiff stand-in for the causal_conv1d CUDA extension (harness.standins)"
+causal_conv1d_cuda.causal_conv1d_fwd = causal_conv1d_fwd
+causal_conv1d_cuda.causal_conv1d_bwd = causal_conv1d_bwd
+causal_conv1d_cuda.causal_conv1d_update = causal_conv1d_update
+causal_conv1d_cuda.ssdiff_standin = True
+
+
+# ---- selective_scan_cuda ---------------------------------------------------------------------------------
+
+def scan_float32(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+    """The selective scan in float32 (differentiable). Returns (out, out_z or None, last_state (b, dim, n))."""
+    if A.is_complex():
+        raise StandInError("the selective_scan stand-in handles real A only")
+    uf, dlt, Af = u.float(), delta.float(), A.float()
+    batch, dim, length = uf.shape
+    if delta_bias is not None:
+        dlt = dlt + delta_bias.float()[:, None]
+    if delta_softplus:
+        dlt = F.softplus(dlt, threshold=20.0)
+
+    def per_channel(M):                          # (b, g, n, L) or (b, n, L) -> (b, dim, n, L)
+        M = M.float()
+        if M.dim() == 3:
+            M = M[:, None]
+        return M.repeat_interleave(dim // M.shape[1], dim=1)
+
+    Bc, Cc = per_channel(B), per_channel(C)
+    state = uf.new_zeros(batch, dim, Af.shape[1])
+    ys = []
+    for t in range(length):
+        d_t = dlt[:, :, t, None]                                               # (b, dim, 1)
+        state = torch.exp(d_t * Af) * state + d_t * Bc[..., t] * uf[:, :, t, None]
+        ys.append((state * Cc[..., t]).sum(-1))
+    out = torch.stack(ys, dim=-1) if ys else uf.new_zeros(batch, dim, 0)
+    if D is not None:
+        out = out + D.float()[:, None] * uf
+    out_z = out * F.silu(z.float()) if z is not None else None
+    return out, out_z, state
+
+
+def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+    """selective_scan_cuda.fwd: [out, x, (out_z)]; x (b, dim, 1, 2*dstate) holds the last state at 1::2."""
+    with torch.no_grad():
+        out, out_z, last = scan_float32(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    x = last.new_zeros(*last.shape[:2], 1, 2 * last.shape[-1])
+    x[..., 0, 1::2] = last
+    result = [out.to(u.dtype), x]
+    if z is not None:
+        result.append(out_z.to(u.dtype))
+    return result
+
+
+def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, delta_softplus, recompute_out_z):
+    """selective_scan_cuda.bwd: du, ddelta, dA, dB, dC, dD, ddelta_bias, [dz, [out_z]] (recomputed in float32)."""
+    names = ["u", "delta", "A", "B", "C", "D", "delta_bias", "z"]
+    given = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, delta_bias=delta_bias, z=z)
+    with torch.enable_grad():
+        leaves = {n: given[n].detach().float().requires_grad_(True) for n in names if given[n] is not None}
+        res, res_z, _ = scan_float32(leaves["u"], leaves["delta"], leaves["A"], leaves["B"], leaves["C"],
+                                     leaves.get("D"), leaves.get("z"), leaves.get("delta_bias"), delta_softplus)
+        root = res_z if z is not None else res
+        order = [n for n in names if n in leaves]
+        grads = dict(zip(order, torch.autograd.grad(root, [leaves[n] for n in order], dout.float())))
+    out_dtype = {"u": u.dtype, "delta": delta.dtype, "A": torch.float32, "B": B.dtype, "C": C.dtype,
+                 "D": torch.float32, "delta_bias": torch.float32, "z": z.dtype if z is not None else None}
+    cast = {n: grads[n].to(out_dtype[n]) for n in grads}
+    result = [cast["u"], cast["delta"], cast["A"], cast["B"], cast["C"], cast.get("D"), cast.get("delta_bias")]
+    if z is not None:
+        if dz is not None:
+            dz.copy_(cast["z"])
+            cast["z"] = dz
+        result.append(cast["z"])
+        if recompute_out_z:
+            result.append(res_z.detach().to(u.dtype))
+    return result
+
+
+selective_scan_cuda = types.ModuleType("selective_scan_cuda")
+selective_scan_cuda.__doc__ = "ssdiff stand-in for the selective_scan CUDA extension (harness.standins)"
+selective_scan_cuda.fwd = selective_scan_fwd
+selective_scan_cuda.bwd = selective_scan_bwd
+selective_scan_cuda.ssdiff_standin = True
+
+def load_mamba_ssm():
+    """mamba_ssm's Triton ops without its package __init__ (which imports CUDA extensions)."""
+    import importlib
+    import importlib.util
+    spec = importlib.util.find_spec("mamba_ssm")
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("mamba_ssm", package)
+    if importlib.util.find_spec("selective_scan_cuda") is None:      # STAND-IN (see above)
+        sys.modules["selective_scan_cuda"] = selective_scan_cuda
+    modules = [importlib.import_module("mamba_ssm.ops.triton.ssd_combined")]
+    try:
+        modules.append(importlib.import_module("mamba_ssm.ops.selective_scan_interface"))
+    except ImportError:
+        pass
+    for module in modules:                                             # STAND-IN where causal_conv1d is absent
+        for attr, standin in (("causal_conv1d_fn", causal_conv1d_fn), ("causal_conv1d_fwd_function", causal_conv1d_fwd),
+                              ("causal_conv1d_bwd_function", causal_conv1d_bwd),
+                              ("causal_conv1d_cuda", causal_conv1d_cuda)):
+            if attr in vars(module) and getattr(module, attr) is None:
+                setattr(module, attr, standin)
+    return modules[0]
+
+
+ssd_combined = load_mamba_ssm()
+
 
 # ---- the implementation(s) under test ---------------------------------------------------------------------
 def side_0(t, seq):
-    """mamba_ssm.selective_state_update: reached through ssdiff's registry (this side needs ssdiff installed)."""
-    from harness import runtime
-    runtime.configure()
-    from harness.case import Case
-    from harness.isolate import resolve
-    from harness.inputs import materialize
-    case = Case.from_dict(CASE)
-    res = resolve("mamba_ssm.selective_state_update").run(case, materialize(case, DEVICE))
-    out = dict(res.outputs)
-    out.update({f"grad.{k}": v for k, v in res.grads.items()})
+    """mamba_ssm.selective_state_update: one call per decoded token, the state updated in place; A, dt, dt_bias
+    and a per-head D broadcast over headdim with stride 0, as Mamba-2's step() passes them."""
+    import importlib
+    step = importlib.import_module("mamba_ssm.ops.triton.selective_state_update").selective_state_update
+    b, h, p, n = CASE["batch"], CASE["nheads"], CASE["headdim"], CASE["dstate"]
+    index = STATE_INDICES
+    cache = t["state"].clone()
+    if index is not None:
+        cache[index.long()] = t["state"]
+    A = t["A"][:, None, None].expand(h, p, n)
+    dt_bias = t["dt_bias"][:, None].expand(h, p) if "dt_bias" in t else None
+    D = t.get("D")
+    if D is not None and D.dim() == 1:
+        D = D[:, None].expand(h, p)
+    kwargs = {"state_batch_indices": index} if index is not None else {}
+    ys = []
+    for k in range(CASE["seqlen"] - CASE["decode_steps"], CASE["seqlen"]):
+        ys.append(step(cache, t["x"][:, k], t["dt"][:, k][..., None].expand(b, h, p), A, t["B"][:, k], t["C"][:, k],
+                       D=D, z=t["z"][:, k] if "z" in t else None, dt_bias=dt_bias, dt_softplus=CASE["dt_softplus"],
+                       **kwargs))
+    out = {"y": torch.stack(ys, 1)}
+    if CASE["return_final_states"]:
+        out["final_states"] = cache[index.long()] if index is not None else cache
     return out
 
 SIDES = {'mamba_ssm.selective_state_update': side_0}
@@ -349,6 +588,7 @@ def main():
     global BACKWARD, GRAD_OUTPUTS
     case = case_object()
     values, dtypes, GRAD_OUTPUTS = draw(case)
+    values["state"], dtypes["state"] = prefill_state(values), STATE_DTYPE
     BACKWARD = case.backward
     GRAD_OUTPUTS = {k: v.to(DEVICE) for k, v in GRAD_OUTPUTS.items()}
     seq = seq_idx_of(case)
