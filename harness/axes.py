@@ -59,7 +59,7 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
     conv_parts = (("x", case.dim), ("B", gn), ("C", gn))
     if kind == "output" or (kind == "stage" and name == "y"):
         if name == "y":
-            if case.entry == "chunk_scan":
+            if case.entry in ("chunk_scan", "decode"):      # decode: token = the decode step
                 return TensorAxes(("batch", "token", "head", "p"))
             if case.out_dim is not None:
                 return TensorAxes(("batch", "token", "channel"), channel_parts(case, (("out", case.out_dim),)))
@@ -140,7 +140,10 @@ def coordinates_of(index, axes: TensorAxes, case: Case) -> dict:
     group), group, channel (and its head or group, and part), seq, p, n, ..."""
     out = {}
     for axis, i in zip(axes.names, index):
-        if axis == "token":
+        if axis == "token" and case.entry == "decode":
+            out["step"] = i                          # a decoded token: its step and its place in the sequence
+            out["token"] = case.prefill_len + i
+        elif axis == "token":
             out["token"] = i
             out["chunk"] = i // case.chunk_size
         elif axis == "head" or (axis == "channel" and axes.channels):

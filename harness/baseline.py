@@ -24,6 +24,11 @@ those kernels compute:
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
 
+The decode entry has a model of its own (`step_scan`): the step recurrence of a selective-state-update
+kernel in float32, one token at a time, with that kernel's rounding points — the state loaded from and stored
+back in its dtype every step, dt processing (`_dt`), ``exp(A * dt)``, ``B * dt``, the update
+``state * dA + dB * x``, the y reduction ``sum(state * C)`` over dstate, the D skip's ``x * D``, the z gate.
+
 `evaluate(case, inputs)` returns an `harness.evaluation.Evaluation` (float64 tensors, the oracle's layouts and
 stage names), so every output, gradient and stage has a baseline to be judged against.
 """
@@ -309,6 +314,35 @@ def _dt(dt, dt_bias, dt_softplus, dt_limit, rounding: Rounding = EXACT):
     return dt
 
 
+def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precision: str = "float32", D=None,
+              z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+    """The model step kernel: ``x.shape[1]`` single-token steps from ``state`` on float32 tensors.
+
+    x (b, s, h, p), dt (b, s, h), A (h,), B/C (b, s, g, n), state (b, h, p, n) as loaded (already in its dtype),
+    D (h,) or (h, p), z like x, dt_bias (h,). As mamba_ssm's _selective_scan_update_kernel computes a step with
+    the per-head parameters broadcast over headdim (Mamba-2's tie_hdim): dt (+ dt_bias, softplus) once per head
+    in float32; dA = exp(A * dt); dB = B * dt; state = state * dA + dB * x, stored back in ``state_precision``;
+    y = sum_n state * C in float32; y += x * D; y *= silu(z). Returns (y (b, s, h, p), final state), float32."""
+    keep = rounding.keep
+    b, steps, h, p = x.shape
+    g = B.shape[2]
+    heads = torch.arange(h, device=x.device) // (h // g)
+    ys = []
+    for t in range(steps):
+        d = _dt(dt[:, t], dt_bias, dt_softplus, dt_limit, rounding)             # (b, h)
+        dA = keep(torch.exp(keep(A * d)))[..., None, None]                     # (b, h, 1, 1)
+        dB = keep(B[:, t][:, heads] * d[..., None])                            # (b, h, n)
+        update = keep(dB[:, :, None, :] * x[:, t][..., None])                  # (b, h, p, n)
+        state = rounding._apply(keep(keep(state * dA) + update), state_precision)
+        y = keep((state * C[:, t][:, heads][:, :, None, :]).sum(-1))           # (b, h, p)
+        if D is not None:
+            y = keep(y + keep((D[:, None] if D.dim() == 1 else D) * x[:, t]))
+        if z is not None:
+            y = y * F.silu(z[:, t])
+        ys.append(y)
+    return torch.stack(ys, dim=1), state
+
+
 def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT):
     """The depthwise causal conv1d as causal_conv1d computes it (float32; the bias first, then one
     multiply-add per tap, oldest first), each partial sum a rounding point: where the taps cancel, their
@@ -398,6 +432,17 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
     leaves = inputs.leaves(COMPUTE, requires_grad=case.backward)
 
     def forward() -> Evaluation:
+        if case.entry == "decode":
+            P = case.prefill_len
+            cut = lambda name: leaves[name][:, P:] if name in leaves else None
+            y, final = step_scan(cut("x"), cut("dt"), leaves["A"], cut("B"), cut("C"), leaves["state"],
+                                 rounding=rounding, state_precision=case.state_dtype, D=leaves.get("D"), z=cut("z"),
+                                 dt_bias=leaves.get("dt_bias"), dt_softplus=case.dt_softplus,
+                                 dt_limit=case.dt_limit_or_default)
+            outputs = {"y": rounding.store(y)}
+            if case.return_final_states:
+                outputs["final_states"] = final
+            return Evaluation(outputs)
         if case.entry == "chunk_scan":
             y, final, varlen, stages = scan(
                 leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=case.chunk_size,

@@ -10,7 +10,11 @@ Two entry points are described:
 - ``split_conv1d``: the fused Mamba-2 mixer ``mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight,
   conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit, return_final_states,
   activation, rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups,
-  norm_before_gate)``.
+  norm_before_gate)``;
+- ``decode``: a sequence of ``seqlen`` tokens split into a prefill ``[0, seqlen - decode_steps)`` and
+  ``decode_steps`` single-token steps of a step kernel (``selective_state_update(state, x, dt, A, B, C, D, z,
+  dt_bias, dt_softplus, state_batch_indices)``) starting from the prefill's final state, held in
+  ``state_dtype``; judged token by token (y at each decoded token) and by the state after the last step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-ENTRY_POINTS = ("chunk_scan", "split_conv1d")
+ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
 D_MODES = ("none", "head", "channel")
 DECAYS = ("none", "mild", "typical", "strong")
@@ -94,6 +98,11 @@ class Case:
     rmsnorm_eps: float = 1e-6
     out_dim: Optional[int] = None
     outproj_bias: bool = False
+    # the decode entry: the last decode_steps tokens are single steps from the prefill's state (held in
+    # state_dtype); state_batch_indices: rows map to state slots through a permutation drawn from the seed
+    decode_steps: int = 1
+    state_dtype: str = "float32"
+    state_batch_indices: bool = False
     # how values are drawn, which pass, which seed
     regime: Regime = field(default_factory=Regime)
     pass_: str = "forward"
@@ -135,6 +144,11 @@ class Case:
         return self.pass_ == "backward"
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens before the first decode step (decode entry)."""
+        return self.seqlen - self.decode_steps
+
+    @property
     def dt_limit_or_default(self) -> tuple[float, float]:
         return self.dt_limit if self.dt_limit is not None else (0.0, math.inf)
 
@@ -148,6 +162,8 @@ class Case:
     def to_dict(self) -> dict:
         out = {}
         for f in fields(self):
+            if f.name in DECODE_FIELDS and self.entry != "decode":
+                continue                # other entries' JSON stays as it was before the decode entry
             value = getattr(self, f.name)
             if f.name == "regime":
                 value = dataclasses.asdict(value)
@@ -227,6 +243,12 @@ class Case:
                 feats.append("rmsnorm" + ("(before gate)" if self.norm_before_gate else "(after gate)"))
             if self.out_dim is not None:
                 feats.append(f"out_proj={self.out_dim}" + ("+bias" if self.outproj_bias else ""))
+        if self.entry == "decode":
+            feats.append(f"steps={self.decode_steps}")
+            if self.state_dtype != "float32":
+                feats.append(f"state:{self.state_dtype}")
+            if self.state_batch_indices:
+                feats.append("state_batch_indices")
         r = self.regime
         feats.append(f"decay={r.decay}")
         if r.dt_large:
@@ -243,13 +265,16 @@ class Case:
 
 # ---- validation ------------------------------------------------------------------------------------------
 
+DECODE_FIELDS = ("decode_steps", "state_dtype", "state_batch_indices")
 _REQUIRED_IN_JSON = ("entry", "batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "dtype")
 
 _INT_FIELDS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "conv_width",
-               "d_nonssm", "seq_idx_start", "seed"}
+               "d_nonssm", "seq_idx_start", "seed", "decode_steps"}
 _BOOL_FIELDS = {"has_z", "has_dt_bias", "dt_softplus", "initial_states", "varlen_states", "return_final_states",
-                "rmsnorm", "norm_before_gate", "outproj_bias", "final_state_grad"}
-_CHOICES = {"entry": ENTRY_POINTS, "dtype": DTYPES, "D": D_MODES, "activation": ACTIVATIONS, "pass_": PASSES}
+                "rmsnorm", "norm_before_gate", "outproj_bias", "final_state_grad",
+               "state_batch_indices"}
+_CHOICES = {"entry": ENTRY_POINTS, "dtype": DTYPES, "D": D_MODES, "activation": ACTIVATIONS, "pass_": PASSES,
+            "state_dtype": DTYPES}
 _REGIME_CHOICES = {"decay": DECAYS, "values": VALUE_KINDS, "layout": LAYOUTS}
 
 
@@ -315,11 +340,22 @@ def _violations(c: Case):
     if c.final_state_grad and not (c.backward and c.return_final_states):
         yield "final_state_grad=true needs pass_='backward' and return_final_states=true"
 
-    if c.entry == "chunk_scan":
+    if c.entry != "decode":
+        for name, default in (("decode_steps", 1), ("state_dtype", "float32"), ("state_batch_indices", False)):
+            if getattr(c, name) != default:
+                yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'decode'"
+    if c.entry in ("chunk_scan", "decode"):
         for name, default in (("d_nonssm", 0), ("rmsnorm", False), ("out_dim", None), ("outproj_bias", False)):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'split_conv1d'"
-    else:
+    if c.entry == "decode":
+        if not 1 <= c.decode_steps <= c.seqlen:
+            yield f"decode_steps={c.decode_steps} must satisfy 1 <= decode_steps <= seqlen={c.seqlen}"
+        if c.segments is not None:
+            yield "segments: the decode entry has one sequence per batch row (rows map to state slots instead)"
+        if c.pass_ != "forward":
+            yield "pass_: the decode entry is forward only (a step kernel has no backward)"
+    if c.entry == "split_conv1d":
         if c.conv_width < 1:
             yield f"conv_width={c.conv_width} must be at least 1"
         if c.d_nonssm < 0:

@@ -16,6 +16,7 @@ console = Console()
 
 def cmd_list(args) -> int:
     from harness import runtime, upstream
+    from harness.case import ENTRY_POINTS
     from harness.impls import all_implementations, get
 
     runtime.configure()
@@ -53,7 +54,7 @@ def cmd_list(args) -> int:
         else:
             here, _ = "[red]no[/]", reasons.append((impl.name, why))
         row = [impl.name, here, names(cap.devices, ("cpu", "cuda")),
-               names(cap.dtypes, ("float32", "float16", "bfloat16")), names(cap.entries, ("chunk_scan", "split_conv1d")),
+               names(cap.dtypes, ("float32", "float16", "bfloat16")), names(cap.entries, ENTRY_POINTS),
                "yes" if cap.backward else "no", str(len(cap.stages)) if cap.stages else "-"]
         if args.verbose:
             row.append(impl.description)

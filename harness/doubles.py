@@ -13,6 +13,10 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
 - `LowPrecisionOracle`: one of the float64 oracles' math run in float32, results in the dtypes a kernel
   returns them in: a healthy implementation for measuring false alarms.
+- `StepKernel`: the decode entry's step recurrence in float32, one token at a time (the state kept in its
+  dtype between steps), as a selective-state-update kernel computes it. With ``bug=`` one planted mistake:
+    "no_decay"      the state is not decayed before the update (state + dt B x instead of exp(dt A) state + ...);
+    "group_heads"   each head reads B and C from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``.
 - `Misbehaving`: calls os.abort(), sleeps forever, or raises — optionally only when ngroups > 1 — to test that
   crash / hang / error become verdicts under --isolate and the run goes on.
 - `ConfigBug` / `TilingBug`: the toy kernel through an autotuned Triton kernel that is wrong in one config
@@ -210,6 +214,47 @@ class LowPrecisionOracle(_Float32Implementation):
         return oracle.asked_outputs(case, res), oracle.ordered_stages(res)
 
 
+STEP_BUGS = (None, "no_decay", "group_heads")
+
+
+class StepKernel(_Float32Implementation):
+    """The decode step kernel in float32 (decode entry; forward only)."""
+
+    def __init__(self, bug=None):
+        if bug not in STEP_BUGS:
+            raise ValueError(f"bug must be one of {STEP_BUGS}, got {bug!r}")
+        self.bug = bug
+        self.name = f"double.step{'.' + bug if bug else ''}"
+        self.description = f"float32 decode step kernel{' with a planted bug: ' + bug if bug else ''}"
+        self.capabilities = Capabilities(entries=frozenset({"decode"}), backward=False)
+
+    def compute(self, case, t, inputs):
+        h, g = case.nheads, case.ngroups
+        P = case.prefill_len
+        heads = torch.arange(h, device=t["x"].device)
+        group = heads % g if self.bug == "group_heads" else heads // (h // g)
+        state_dtype = torch_dtype(case.replace(dtype=case.state_dtype))
+        state = t["state"]
+        D = t.get("D")
+        ys = []
+        for token in range(P, case.seqlen):
+            d = process_dt(t["dt"][:, token], t.get("dt_bias"), case.dt_softplus, case.dt_limit_or_default)   # (b, h)
+            x = t["x"][:, token]                                                     # (b, h, p)
+            update = (d[..., None] * x)[..., None] * t["B"][:, token][:, group][:, :, None, :]
+            decay = 1.0 if self.bug == "no_decay" else torch.exp(d * t["A"])[..., None, None]
+            state = (decay * state + update).to(state_dtype).to(torch.float32)
+            y = torch.einsum("bhpn,bhn->bhp", state, t["C"][:, token][:, group])
+            if D is not None:
+                y = y + (D[:, None] if D.dim() == 1 else D) * x
+            if "z" in t:
+                y = y * F.silu(t["z"][:, token])
+            ys.append(y)
+        outputs = {"y": torch.stack(ys, dim=1)}
+        if case.return_final_states:
+            outputs["final_states"] = state.to(state_dtype)
+        return outputs, {}
+
+
 MISBEHAVIOURS = ("abort", "hang", "raise")
 
 
@@ -247,6 +292,9 @@ mixer_norm_bug = ToyMixer("norm_whole_dim")
 chunked_fp32 = LowPrecisionOracle("ref.chunked")
 quadratic_fp32 = LowPrecisionOracle("ref.quadratic")
 recurrent_fp32 = LowPrecisionOracle("ref.recurrent")
+step = StepKernel()
+step_no_decay_bug = StepKernel("no_decay")
+step_group_bug = StepKernel("group_heads")
 aborts = Misbehaving("abort")
 hangs = Misbehaving("hang")
 raises = Misbehaving("raise")

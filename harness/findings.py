@@ -106,6 +106,23 @@ DRAFTS = {
         code_path="`mamba_ssm/ops/triton/ssd_combined.py`, `MambaSplitConv1dScanCombinedFn.backward`: its "
                   "`_layer_norm_bwd(...)` call passed no `group_size` (the forward's `_layer_norm_fwd` call passes "
                   "`group_size=dim // ngroups`); the fixed releases pass `group_size=dim//ctx.ngroups`."),
+    "mamba-state-update-D-none": Draft(
+        title="selective_state_update raises TypeError when D is None",
+        should="D is optional in the signature (`D=None`): without it the step computes y = sum(state * C) (times "
+               "silu(z)) with no skip term, as selective_state_update_ref does.",
+        code_path="`mamba_ssm/ops/triton/selective_state_update.py`, `selective_state_update`: the kernel launch "
+                  "passes `*(D.stride(0), D.stride(1)) if D is not None else 0`, which Python parses as "
+                  "`*((D.stride(0), D.stride(1)) if D is not None else 0)`: with D None it unpacks the int 0. "
+                  "`else (0, 0)` would pass two zero strides."),
+    "mamba-state-update-dt-bias-none": Draft(
+        title="selective_state_update raises when dt_bias is None",
+        should="dt_bias is optional in the signature (`dt_bias=None`): without it dt is used as given (then "
+               "softplus when asked), as selective_state_update_ref does.",
+        code_path="`mamba_ssm/ops/triton/selective_state_update.py`, `selective_state_update`: `tie_hdim = "
+                  "A.stride(-1) == 0 and A.stride(-2) == 0 and dt.stride(-1) == 0 and dt_bias.stride(-1) == 0` "
+                  "reads `dt_bias.stride` (AttributeError on Mamba-2's broadcast layout); on another layout the "
+                  "launch's `*(dt_bias.stride(0), dt_bias.stride(1)) if dt_bias is not None else 0` unpacks the "
+                  "int 0 (TypeError)."),
 }
 
 
@@ -196,7 +213,7 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
     with tempfile.TemporaryDirectory(prefix="ssdiff-finding-") as scratch:
         try:
             result = minimize(defect.example, defect.implementations[0], device="cpu", out_dir=scratch,
-                              max_runs=max_runs)
+                              max_runs=max_runs, accept=lambda case: only_this_defect(defect, case))
         except NotDiverging as why:
             record.update(reproduces=False, why=_local_paths(str(why)))
             (folder / CASE_FILE).write_text(defect.example.to_json() + "\n", encoding="utf-8")
@@ -212,6 +229,15 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
             record["repro_exit"] = run_repro(folder / REPRO_FILE, release=_release_of_this_process()).returncode
     (folder / RECORD_FILE).write_text(_json(record), encoding="utf-8")
     return record
+
+
+def only_this_defect(defect: KnownDefect, case: Case) -> bool:
+    """``case`` is in ``defect``'s domain and in no other known defect's of the same implementation: a finding is
+    minimized without trading it for another (selective_state_update raises the same TypeError, on the same
+    line, with D None and with dt_bias None)."""
+    impl = defect.implementations[0]
+    return defect.applies(case) and not any(d.applies(case) for d in DEFECTS
+                                            if d is not defect and impl in d.implementations)
 
 
 def _release_of_this_process() -> Optional[Path]:

@@ -6,6 +6,11 @@ after that rounding. The oracle therefore sees exactly the numbers every impleme
 
 Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt) and the mixer's weights in the
 case's dtype; A, D, dt_bias and initial_states in float32.
+
+The decode entry draws the chunk scan's values over the whole sequence; its step kernel starts from ``state``,
+the state after the prefill (the float64 chunked oracle's final state over the first ``seqlen - decode_steps``
+tokens, rounded once to ``case.state_dtype``: the prefill's rounding is no step kernel's error), and maps rows
+to state slots through ``state_indices`` (a permutation drawn from the seed) when the case asks.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class Inputs:
     seq_idx: Optional[torch.Tensor]
     cu_seqlens: Optional[torch.Tensor]
     wide_order: tuple = field(default=())
+    state_indices: Optional[torch.Tensor] = None       # decode: (b,) int32 state slot of each row, or None
 
     @property
     def differentiable(self) -> tuple:
@@ -181,7 +187,7 @@ def draw(case) -> tuple:
         if r.dt_large:
             dt_raw = dt_raw + 22.0 * (torch.arange(h) % 2 == 0)
 
-    if case.entry == "chunk_scan":
+    if case.entry in ("chunk_scan", "decode"):
         put("x", values(b, L, h, p), act)
         put("dt", dt_raw, act)
         put("A", A, torch.float32)
@@ -237,8 +243,15 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
     vals, dtypes, grad_outputs = draw(case)
     r = case.regime
 
+    state_indices = None
+    if case.entry == "decode":
+        vals["state"], dtypes["state"] = prefill_state(case, vals), TORCH_DTYPES[case.state_dtype]
+        if case.state_batch_indices:
+            gen = torch.Generator().manual_seed(case.seed + 1)
+            state_indices = torch.randperm(case.batch, generator=gen).to(torch.int32)
+
     wide_order = ()
-    if r.layout == "strided" and case.entry == "chunk_scan":
+    if r.layout == "strided" and case.entry in ("chunk_scan", "decode"):
         wide_order = tuple(name for name in ("z", "x", "B", "C", "dt") if name in vals)
 
     seq_idx = seq_idx_rows(case)
@@ -252,4 +265,24 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
         seq_idx=seq_idx.to(device) if seq_idx is not None else None,
         cu_seqlens=cu.to(device) if cu is not None else None,
         wide_order=wide_order,
+        state_indices=state_indices.to(device) if state_indices is not None else None,
     )
+
+
+def prefill_state(case: Case, vals: dict) -> torch.Tensor:
+    """The state (b, h, p, n) after the decode case's prefill (tokens [0, seqlen - decode_steps)) in float64,
+    rounded once through ``case.state_dtype``: the float64 chunked oracle's final state (initial_states or zeros
+    when the prefill is empty)."""
+    from harness.oracle import chunked
+
+    b, h, p, n = case.batch, case.nheads, case.headdim, case.dstate
+    P = case.prefill_len
+    h0 = vals.get("initial_states")
+    if P == 0:
+        state = h0 if h0 is not None else torch.zeros(b, h, p, n, dtype=torch.float64)
+    else:
+        cut = lambda name: vals[name][:, :P] if name in vals else None
+        state = chunked.scan(cut("x"), cut("dt"), vals["A"], cut("B"), cut("C"), chunk_size=case.chunk_size,
+                             dt_bias=vals.get("dt_bias"), dt_softplus=case.dt_softplus,
+                             dt_limit=case.dt_limit_or_default, initial_states=h0).outputs["final_states"]
+    return state.to(TORCH_DTYPES[case.state_dtype]).to(torch.float64)

@@ -219,6 +219,31 @@ DEFECTS += (
                      varlen_states=True, regime=Regime(decay="mild"), seed=12)),
 )
 
+# selective_state_update (read in 2.3.2.post1, the release checked; earlier ones not) passes optional tensors' strides to the kernel as
+# ``*(D.stride(0), D.stride(1)) if D is not None else 0``, which Python reads as ``*(... if ... else 0)``: with D None
+# it unpacks the int 0 (TypeError). dt_bias None fails the same way, and on Mamba-2's tie_hdim layout even earlier,
+# in ``dt_bias.stride(-1) == 0`` (AttributeError). The signature offers D=None and dt_bias=None.
+
+DEFECTS += (
+    KnownDefect(
+        id="mamba-state-update-D-none",
+        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "decode" and c.D == "none",
+        statement="selective_state_update raises TypeError when D is None (the signature's default): its launch "
+                  "unpacks `*(D.stride(0), D.stride(1)) if D is not None else 0`, i.e. `*0`",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, D="none")),
+    KnownDefect(
+        id="mamba-state-update-dt-bias-none",
+        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "decode" and not c.has_dt_bias,
+        statement="selective_state_update raises when dt_bias is None (the signature's default): AttributeError in "
+                  "`dt_bias.stride(-1)` on Mamba-2's tie_hdim layout, else TypeError from `*(dt_bias.stride(0), "
+                  "dt_bias.stride(1)) if dt_bias is not None else 0`",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, has_dt_bias=False)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
 
 

@@ -185,14 +185,14 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
     if not idx:
         res["text"] = f"{t.name}: nothing out of budget"
         return res
-    heads, groups, batches, tokens, chunks, parts = set(), set(), set(), set(), set(), set()
+    heads, groups, batches, tokens, chunks, parts, steps = set(), set(), set(), set(), set(), set(), set()
     per_row_tokens: dict = {}
     per_row_chunks: dict = {}
     map_axes = TensorAxes(axes, t.axes.channels if t.axes is not None else ())
     for coord in idx:
         where = coordinates_of(coord, map_axes, case)
         for key, found in (("batch", batches), ("head", heads), ("group", groups), ("token", tokens),
-                           ("chunk", chunks), ("part", parts)):
+                           ("chunk", chunks), ("part", parts), ("step", steps)):
             if key in where:
                 found.add(where[key])
         if "batch" in where and "token" in where:
@@ -233,6 +233,10 @@ def coordinates(t: TensorVerdict, case: Case) -> dict:
         res["tokens"] = {"first": min(tokens), "last": max(tokens), "count": len(tokens)}
         words.append(f"tokens {_ranges(tokens)}" if len(tokens) <= 12 else
                      f"{len(tokens)} tokens from {min(tokens)} to {max(tokens)}")
+    if steps:                          # the decode entry: which single-token steps after the prefill
+        res["decode_steps"] = sorted(steps)
+        words.append(f"decode steps {_ranges(steps)} of {case.decode_steps} (after a prefill of {case.prefill_len} "
+                     "tokens)")
     if case.segments is not None and (tokens or chunks):
         marks = token_sequences(case)
         if per_row_tokens:

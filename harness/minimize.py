@@ -48,13 +48,21 @@ class Minimized:
         return self.shrunk.irrelevant_features()
 
 
-def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optional[str], kept: list) -> Callable:
+def _raised(verdict) -> str:
+    """The exception type an "error" verdict's run raised (its detail starts "TypeName: ...")."""
+    return verdict.detail.split(":", 1)[0]
+
+
+def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optional[str], kept: list,
+                       accept: Optional[Callable[[Case], bool]] = None) -> Callable:
     """``candidate -> bool``: the original's divergence persists on ``candidate`` (the module docstring). The
-    outcome of each candidate kept is appended to ``kept``."""
+    outcome of each candidate kept is appended to ``kept``. ``accept``: candidates it rejects are not tried."""
     failing = list(original.failing)
     choice = original.choice
 
     def persists(candidate: Case) -> bool:
+        if accept is not None and not accept(candidate):
+            return False
         if examiner.skip_reasons(candidate):
             return False
         try:
@@ -62,6 +70,10 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
         except (CaseError, RuntimeError, ValueError):
             return False
         if not same_divergence(original, again, MIN_RATIO):
+            return False
+        # A run that raised must raise the same exception type: two defects that raise (selective_state_update
+        # with D None, with dt_bias None) are not one, and shrinking must not trade one for the other.
+        if any(_raised(v) != _raised(again.verdicts[s]) for s, v in original.failing.items() if v.status == "error"):
             return False
         if first_stage is not None and examiner.first_stage(candidate, failing[0], choice) != first_stage:
             return False
@@ -72,9 +84,11 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
 
 
 def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Optional[Callable[[Step], None]] = None,
-                     max_runs: int = 300, write_repro: bool = True) -> Minimized:
+                     max_runs: int = 300, write_repro: bool = True,
+                     accept: Optional[Callable[[Case], bool]] = None) -> Minimized:
     """Shrink the diverging ``original`` (examined by ``examiner``) and write minimized.json,
-    minimized-verdict.json and repro.py into ``out_dir``. Raises NotDiverging when it does not diverge."""
+    minimized-verdict.json and repro.py into ``out_dir``. Raises NotDiverging when it does not diverge.
+    ``accept``: a condition every smaller case must keep (a known defect's predicate, say)."""
     if not original.diverged:
         raise NotDiverging(f"{original.case.describe()}: no divergence — "
                            + "; ".join(v.message() for v in original.verdicts.values()))
@@ -88,7 +102,7 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     side = next(iter(failing))
     first = None if failing[side].status in RUN_FAILURES else examiner.first_stage(original.case, side, choice)
     kept = [original]
-    shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept), on_step=on_step,
+    shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept, accept), on_step=on_step,
                     max_runs=max_runs)
     examiner.keep(kept[-1])                          # the minimal case: examined again with its evidence
     final = examiner.examine(shrunk.minimal, choice, stages=True)
@@ -114,7 +128,8 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
 def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None,
              out_dir=None, choice="tuned", on_step: Optional[Callable[[Step], None]] = None,
              max_runs: int = 300, isolate: bool = False, write_repro: bool = True,
-             oracle_name: str = DEFAULT_ORACLE, factor: float = FACTOR) -> Minimized:
+             oracle_name: str = DEFAULT_ORACLE, factor: float = FACTOR,
+             accept: Optional[Callable[[Case], bool]] = None) -> Minimized:
     """Shrink ``case`` while impl (vs against, or vs the oracle) keeps the same divergence; write the results
     into ``out_dir`` (default ssdiff-out/minimize-<time>). Raises NotDiverging when the case does not diverge."""
     runtime.configure()
@@ -128,7 +143,7 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = out_dir or os.path.join("ssdiff-out", f"minimize-{stamp}")
         return minimize_outcome(examiner, examiner.examine(fitted, choice), out, on_step=on_step,
-                                max_runs=max_runs, write_repro=write_repro)
+                                max_runs=max_runs, write_repro=write_repro, accept=accept)
 
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",

@@ -185,6 +185,33 @@ def _is_plain_callable(spec: str) -> bool:
     return isinstance(target, CallableImplementation) or not isinstance(target, Implementation)
 
 
+STEP = "mamba_ssm.selective_state_update"
+STEP_SIDE = '''    """mamba_ssm.selective_state_update: one call per decoded token, the state updated in place; A, dt, dt_bias
+    and a per-head D broadcast over headdim with stride 0, as Mamba-2's step() passes them."""
+    import importlib
+    step = importlib.import_module("mamba_ssm.ops.triton.selective_state_update").selective_state_update
+    b, h, p, n = CASE["batch"], CASE["nheads"], CASE["headdim"], CASE["dstate"]
+    index = STATE_INDICES
+    cache = t["state"].clone()
+    if index is not None:
+        cache[index.long()] = t["state"]
+    A = t["A"][:, None, None].expand(h, p, n)
+    dt_bias = t["dt_bias"][:, None].expand(h, p) if "dt_bias" in t else None
+    D = t.get("D")
+    if D is not None and D.dim() == 1:
+        D = D[:, None].expand(h, p)
+    kwargs = {"state_batch_indices": index} if index is not None else {}
+    ys = []
+    for k in range(CASE["seqlen"] - CASE["decode_steps"], CASE["seqlen"]):
+        ys.append(step(cache, t["x"][:, k], t["dt"][:, k][..., None].expand(b, h, p), A, t["B"][:, k], t["C"][:, k],
+                       D=D, z=t["z"][:, k] if "z" in t else None, dt_bias=dt_bias, dt_softplus=CASE["dt_softplus"],
+                       **kwargs))
+    out = {"y": torch.stack(ys, 1)}
+    if CASE["return_final_states"]:
+        out["final_states"] = cache[index.long()] if index is not None else cache
+    return out'''
+
+
 def _side_code(number: int, spec: str, case: Case) -> tuple:
     """(code defining side_<number>(t, seq), the packages it needs)"""
     fn = f"side_{number}"
@@ -198,6 +225,8 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
                     f't["D"], {case.chunk_size}, {_mixer_kwargs(case, kind == "mixer_ref")})')
         return (f'def {fn}(t, seq):\n    """{spec}: mamba_ssm.ops.triton.ssd_combined.{name}"""\n'
                 f"    out = {call}\n{RESULT}", ("mamba-ssm", "einops"))
+    if spec == STEP:
+        return (f'def {fn}(t, seq):\n{STEP_SIDE}', ("mamba-ssm", "einops"))
     if spec == "ssdiff.triton" or (":" in spec and case.entry == "chunk_scan" and _is_plain_callable(spec)):
         if spec == "ssdiff.triton":
             module, attr = (("kernels.ssd.combined", "ssd_chunk_scan_combined") if case.entry == "chunk_scan"
@@ -266,7 +295,7 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
     if interpreter:
         preamble.append(INTERPRETER_PATCHES)
         needs.append("numpy (the Triton interpreter imports it)")
-    if any(s in MAMBA_FUNCTIONS for s in sides):
+    if any(s in MAMBA_FUNCTIONS or s == STEP for s in sides):
         preamble.append(_standins_source())
         preamble.append(MAMBA_LOADER)
     if case.varlen_states:

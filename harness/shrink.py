@@ -89,7 +89,7 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
 # The features the minimizer switches off, in the order it tries them.
 FEATURE_STEPS = ("seq_idx", "padding", "seq_idx_start", "initial_states", "z", "dt_limit", "rmsnorm", "d_nonssm",
                  "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
-                 "backward", "final_states", "D", "D_channel")
+                 "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype")
 
 
 def candidates(case: Case) -> Iterator[tuple]:
@@ -97,6 +97,12 @@ def candidates(case: Case) -> Iterator[tuple]:
     tries = []
     # sizes
     tries.append(_switched_off(case, "batch"))
+    if case.entry == "decode":
+        # fewer decode steps, and a shorter prefill (seqlen and decode_steps move together)
+        for s in _smaller(case.decode_steps):
+            tries.append(_try(case, f"decode_steps {case.decode_steps} -> {s}", decode_steps=s))
+        for L in _smaller(case.seqlen, floor=case.decode_steps):
+            tries.append(_try(case, f"prefill {case.prefill_len} -> {L - case.decode_steps} tokens", seqlen=L))
     for L in _smaller(case.seqlen):
         tries.append(_try(case, f"seqlen {case.seqlen} -> {L}", seqlen=L, **_fit_segments(case, L)))
         if case.segments is not None:

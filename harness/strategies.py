@@ -120,8 +120,9 @@ def regimes(draw, layouts: Sequence[str] = ("contiguous", "strided")) -> Regime:
 @st.composite
 def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str) -> dict:
     """The optional features of the scan (D, z, dt_bias, softplus, dt_limit, initial states, seq_idx)."""
-    out = dict(D=draw(st.sampled_from(("head", "none", "channel") if entry == "chunk_scan" else ("head", "channel"))))
-    if entry == "chunk_scan":
+    scan_like = entry in ("chunk_scan", "decode")
+    out = dict(D=draw(st.sampled_from(("head", "none", "channel") if scan_like else ("head", "channel"))))
+    if scan_like:
         out["has_z"] = draw(st.booleans())
         out["has_dt_bias"] = draw(st.booleans())
         out["dt_softplus"] = draw(st.booleans())
@@ -129,9 +130,20 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str) ->
         lo = draw(st.sampled_from((0.0, 0.001, 0.01)))
         out["dt_limit"] = (lo, draw(st.sampled_from((0.05, 0.1, 1.0, math.inf))))
     out["initial_states"] = draw(st.booleans())
+    if entry == "decode":               # one sequence per row; the step kernel always updates its state
+        return out
     out.update(draw(sequence_layout(batch, seqlen, chunk_size)))
     out["return_final_states"] = draw(st.booleans())
     return out
+
+
+@st.composite
+def decode_features(draw, seqlen: int, dtypes: Sequence[str], max_steps: int = 6) -> dict:
+    """The decode entry's own fields: how many of the seqlen tokens are single steps (the rest is the prefill),
+    the state's dtype (float32 or one of the case dtypes allowed), rows mapped to state slots."""
+    return dict(decode_steps=draw(st.integers(1, min(seqlen, max_steps))),
+                state_dtype=draw(st.sampled_from(tuple(dict.fromkeys(("float32", *dtypes))))),
+                state_batch_indices=draw(st.booleans()))
 
 
 @st.composite
@@ -158,14 +170,16 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     ``key``: see the module docstring (a key fixes entry, dtype and layout too)."""
     if key is not None:
         entry, dtypes, layouts = key.entry, (key.dtype,), (key.layout,)
-    entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))
+    entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))    # decode only when asked for
     shape = draw(shapes(bounds, boundary, key))
     fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
     fields.update(draw(scan_features(shape["batch"], shape["seqlen"], shape["chunk_size"], entry)))
     if entry == "split_conv1d":
         fields.update(draw(mixer_features(shape["nheads"], shape["headdim"], key)))
+    if entry == "decode":
+        fields.update(draw(decode_features(shape["seqlen"], dtypes)))
     fields["regime"] = draw(regimes(layouts))
-    do_backward = draw(st.booleans()) if backward is None else backward
+    do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode"
     if do_backward:
         fields["pass_"] = "backward"
         fields["final_state_grad"] = fields["return_final_states"] and draw(st.booleans())

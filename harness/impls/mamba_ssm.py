@@ -9,6 +9,8 @@
     mamba_ssm.ssd_minimal           ssd_minimal_discrete (the paper's listing): X = x*dt, A*dt, per-head B/C
     mamba_ssm.split_conv1d_combined mamba_split_conv1d_scan_combined: the fused Mamba-2 mixer
     mamba_ssm.split_conv1d_ref      mamba_split_conv1d_scan_ref: its reference (no seq_idx / h0 / d_nonssm)
+    mamba_ssm.selective_state_update  selective_state_update: the decode step kernel (decode entry; forward
+                                    only; no dt_limit)
 
 mamba_ssm is loaded without its package __init__ by harness.upstream (2.0.0 and 2.0.1 are broken as shipped and
 reported unavailable); where causal_conv1d or selective_scan_cuda is missing a float64-checked torch stand-in
@@ -369,7 +371,91 @@ def _recording(module, stages: dict, case: Case):
             setattr(module, name, value)
 
 
+# ---- the decode step: selective_state_update ----------------------------------------------------------------
+
+STEP_MODULE = "mamba_ssm.ops.triton.selective_state_update"
+
+
+def state_dtype_runs(case: Case) -> Optional[str]:
+    """The state is loaded and stored by the kernel: its dtype must run on this runtime like the case's."""
+    why = runtime.dtype_skip_reason(case.state_dtype) if case.entry == "decode" else None
+    return f"state dtype {case.state_dtype}: {why}" if why else None
+
+
+class SelectiveStateUpdate(MambaImplementation):
+    """The decode entry by the step kernel, as Mamba-2's step() calls it: A, dt, dt_bias and a per-head D
+    broadcast over headdim with stride 0 (the kernel's tie_hdim path), one call per decoded token, the state
+    updated in place (a cache of one slot per row, in the case's state dtype; with state_batch_indices, row i
+    lives in slot state_indices[i])."""
+
+    name = "mamba_ssm.selective_state_update"
+    description = "mamba_ssm selective_state_update (Triton; the decode step kernel; forward only)"
+
+    def unavailable(self) -> Optional[str]:
+        problem = upstream.mamba_ssm_problem()
+        if problem:
+            return problem
+        try:
+            self.step_function()
+        except ImportError as err:
+            return f"{self.release.label} has no usable {STEP_MODULE}: {upstream.one_line(err)}"
+        return runtime.no_triton_reason()
+
+    def step_function(self):
+        self.release                   # the bare package, so that the submodule imports
+        import importlib
+
+        return importlib.import_module(STEP_MODULE).selective_state_update
+
+    def kernel_modules(self) -> tuple:
+        if self.unavailable():
+            return ()
+        self.step_function()
+        return (sys.modules[STEP_MODULE],)
+
+    def declared(self, **overrides) -> Capabilities:
+        fields = dict(entries=frozenset({"decode"}), backward=False, unsupported=frozenset({"dt_limit"}),
+                      limits=(unclamped_dt, state_dtype_runs))
+        fields.update(overrides)
+        return super().declared(**fields)
+
+    def detect(self, rel):
+        unsupported = {"dt_limit"}
+        if "state_batch_indices" not in rel.params(self.step_function()):
+            unsupported.add("state_batch_indices")
+        return self.declared(unsupported=frozenset(unsupported))
+
+    def forward(self, case, tensors, inputs, want_stages):
+        fn = self.step_function()
+        t = tensors
+        b, h, p, n = case.batch, case.nheads, case.headdim, case.dstate
+        P = case.prefill_len
+        index = inputs.state_indices
+        rows = t["state"]
+        if index is not None:
+            cache = torch.empty_like(rows)
+            cache[index.long()] = rows
+        else:
+            cache = rows.clone()
+        A = t["A"][:, None, None].expand(h, p, n)
+        dt_bias = t["dt_bias"][:, None].expand(h, p) if "dt_bias" in t else None
+        D = t.get("D")
+        if D is not None and D.dim() == 1:
+            D = D[:, None].expand(h, p)
+        kwargs = dict(state_batch_indices=index) if index is not None else {}
+        ys = []
+        for k in range(case.decode_steps):
+            token = P + k
+            z = t["z"][:, token] if "z" in t else None
+            ys.append(fn(cache, t["x"][:, token], t["dt"][:, token][..., None].expand(b, h, p), A, t["B"][:, token],
+                         t["C"][:, token], D=D, z=z, dt_bias=dt_bias, dt_softplus=case.dt_softplus, **kwargs))
+        outputs = {"y": torch.stack(ys, dim=1)}
+        if case.return_final_states:
+            outputs["final_states"] = cache[index.long()] if index is not None else cache
+        return Evaluation(outputs=outputs, notes=self.notes())
+
+
 IMPLEMENTATIONS = (ChunkScanCombined(), ChunkScan(), ChunkScanRef(), SsdMinimal(), SplitConv1dCombined(),
-                   SplitConv1dRef())
+                   SplitConv1dRef(), SelectiveStateUpdate())
 for _impl in IMPLEMENTATIONS:
     register(_impl)

@@ -1,6 +1,6 @@
 """The three float64 oracles as implementations (ref.recurrent, ref.quadratic, ref.chunked).
 
-They take every case: any dtype (inputs are the rounded values, computed in float64), both entry points,
+They take every case: any dtype (inputs are the rounded values, computed in float64), every entry point,
 every feature, every stage. Registered so fuzz can set one oracle against another.
 """
 
@@ -21,7 +21,7 @@ DESCRIPTIONS = {
 
 
 class OracleImplementation(Implementation):
-    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}), stages=oracle.STAGE_ORDER)
+    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode"}), stages=oracle.STAGE_ORDER)
 
     def __init__(self, name: str):
         self.name = name

@@ -5,6 +5,10 @@
     ref.chunked     chunks + passed states (fast, vectorized) harness/oracle/chunked.py
 
 They share no code with any kernel they judge, nor with each other's scan. `evaluate` runs one on a Case.
+
+The decode entry: each order runs the decoded tokens [seqlen - decode_steps, seqlen) from the prefill's state
+(``inputs.values["state"]``, harness/inputs.py: the chunked order's state after the prefill, rounded to the
+state dtype): y at each decoded token (b, decode_steps, h, p) and the state after the last step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
     """Run oracle ``name`` on float64 ``tensors`` (as made by Inputs.float64) for ``case``: every output it
     computes ("y", "final_states", "varlen_states" — None where the case has none) and the stages."""
     scan = SCANS[name]
+    if case.entry == "decode":
+        return decode(scan, case, tensors)
     if case.entry == "chunk_scan":
         return scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
                     chunk_size=case.chunk_size, D=tensors.get("D"), z=tensors.get("z"),
@@ -43,6 +49,17 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
         activation=case.activation, rmsnorm_weight=tensors.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
         outproj_weight=tensors.get("outproj_weight"), outproj_bias=tensors.get("outproj_bias"),
         norm_before_gate=case.norm_before_gate)
+
+
+def decode(scan, case: Case, tensors: dict) -> Evaluation:
+    """The decoded tokens of a decode case by ``scan``, from the prefill's state: y (b, decode_steps, h, p) and
+    the final state. No stages (a step kernel has none to compare)."""
+    P = case.prefill_len
+    cut = lambda name: tensors[name][:, P:] if name in tensors else None
+    res = scan(cut("x"), cut("dt"), tensors["A"], cut("B"), cut("C"), chunk_size=case.chunk_size, D=tensors.get("D"),
+               z=cut("z"), dt_bias=tensors.get("dt_bias"), dt_softplus=case.dt_softplus,
+               dt_limit=case.dt_limit_or_default, initial_states=tensors["state"])
+    return Evaluation({"y": res.outputs["y"], "final_states": res.outputs["final_states"]})
 
 
 def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluation:
@@ -68,6 +85,8 @@ def asked_outputs(case: Case, res: Evaluation) -> dict:
 
 def ordered_stages(res: Evaluation) -> dict:
     """``res``'s stages and y, in STAGE_ORDER."""
+    if not res.stages:
+        return {}
     stages = {**res.stages, "y": res.outputs["y"]}
     return {k: stages[k] for k in STAGE_ORDER if k in stages}
 
