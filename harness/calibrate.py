@@ -5,13 +5,15 @@ localization or minimization, known defects reported) judges N cases; every outp
 *required factor* — its ratio times FACTOR, i.e. the FACTOR at which it would just pass — is collected:
 
     python -m harness.calibrate --impl mamba_ssm.chunk_scan_combined --impl mamba_ssm.split_conv1d_combined \
-        --dtype float32,float16 --cases 1250 [--device cpu] [--pass mixed] [--seed 0] [--json calibration.json]
+        --dtype float32,float16 --cases 1250 [--rounds 10] [--device cpu] [--pass mixed] [--seed 0] \
+        [--json calibration.json]
 
 It prints per implementation and dtype: the cases judged, the tensor verdicts, the required factor's median,
 99th percentile and maximum for outputs and for gradients, the divergences no known defect explains and the
 known-defect matches (a side whose divergence a known defect explains is counted there, not measured). The JSON
 holds the same, each undeclared divergence's case and the ten largest required factors with their cases; it is
-rewritten after every campaign, so a long run can be read while it goes on.
+rewritten every 100 cases, so a long run can be read while it goes on (with ``--rounds``, every implementation
+and dtype has figures after the first round).
 harness/README.md ("Why FACTOR = 4") publishes the figures.
 
 The search is Hypothesis's: with an example budget its second half climbs toward larger ratios (the fuzz's
@@ -104,28 +106,28 @@ def _finite(x: float):
     return x if math.isfinite(x) else str(x)
 
 
-def campaign(impl: str, dtype: str, cases: int, device: Optional[str], pass_: str, seed: Optional[int],
-             checkpoint: Callable[[Row], None] = lambda row: None) -> Row:
-    """Judge ``cases`` Hypothesis-drawn cases of ``impl`` in ``dtype``; the row of figures. ``checkpoint(row)``
-    is called every CHECKPOINT judged cases (a long run's partial figures)."""
-    config = FuzzConfig(impl=impl, dtypes=(dtype,), device=device, pass_=pass_, seed=seed, max_examples=cases,
-                        max_time=None, keep_going=True, localize=False, minimize=False, known="report",
-                        report_dir=None, out_dir=tempfile.mkdtemp(prefix="ssdiff-calibrate-"))
-    row = Row(impl, device, dtype)
+def campaign(row: Row, cases: int, pass_: str, seed: Optional[int],
+             checkpoint: Callable[[], None] = lambda: None):
+    """Add one fuzz search of ``cases`` Hypothesis examples of ``row``'s implementation and dtype to ``row``.
+    ``checkpoint()`` is called every CHECKPOINT judged cases (a long run's partial figures)."""
+    config = FuzzConfig(impl=row.impl, dtypes=(row.dtype,), device=row.device, pass_=pass_, seed=seed,
+                        max_examples=cases, max_time=None, keep_going=True, localize=False, minimize=False,
+                        known="report", report_dir=None, out_dir=tempfile.mkdtemp(prefix="ssdiff-calibrate-"))
+    before = (row.cases, row.skipped, row.elapsed_s)
     start = time.perf_counter()
 
     def progress(state):
-        row.cases, row.skipped, row.elapsed_s = state["tried"], state["skipped"], time.perf_counter() - start
-        if state["tried"] and state["tried"] % CHECKPOINT == 0 and state["tried"] != getattr(progress, "last", 0):
-            progress.last = state["tried"]
-            checkpoint(row)
+        row.cases, row.skipped = before[0] + state["tried"], before[1] + state["skipped"]
+        row.elapsed_s = before[2] + time.perf_counter() - start
+        if state["tried"] and row.cases % CHECKPOINT == 0 and row.cases != getattr(progress, "last", 0):
+            progress.last = row.cases
+            checkpoint()
 
     fuzzer = Fuzzer(config, progress=progress, observe=row.observe)
     row.device = config.device                        # the Fuzzer settles the default
     report = fuzzer.run()
-    row.elapsed_s = time.perf_counter() - start
-    row.cases, row.skipped = report.tried, report.skipped
-    return row
+    row.cases, row.skipped = before[0] + report.tried, before[1] + report.skipped
+    row.elapsed_s = before[2] + time.perf_counter() - start
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -153,6 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", action="append", required=True, help="implementation (repeatable)")
     parser.add_argument("--dtype", default="float32,float16", help="comma-separated dtypes")
     parser.add_argument("--cases", type=int, required=True, help="Hypothesis examples per implementation and dtype")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="split each campaign into this many searches (seeds seed, seed + 1, ...), every "
+                             "implementation and dtype in turn: a run cut short has figures for all of them")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: where kernels run here)")
     parser.add_argument("--pass", dest="pass_", default="mixed", choices=PASSES)
     parser.add_argument("--seed", type=int, default=None)
@@ -165,27 +170,27 @@ def main(argv=None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     command = " ".join(["python -m harness.calibrate"] + list(sys.argv[1:] if argv is None else argv))
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    rows: list = []
+    rows = [Row(impl, args.device, dtype) for impl in args.impl for dtype in args.dtype.split(",")]
+    rounds = max(1, min(args.rounds, args.cases))
+    done_rounds = 0
 
-    def write(current: Optional[Row] = None):
-        if current is not None:
-            console.print(f"{current.impl} {current.dtype}: {current.cases} cases judged, {current.elapsed_s:.0f} s")
+    def write():
+        console.print(", ".join(f"{r.impl} {r.dtype}: {r.cases}" for r in rows) + " cases judged")
         if not args.json:
             return
-        done = rows + ([current] if current else [])
-        record = {"command": command, "started": started, "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  "complete": current is None and len(rows) == len(args.impl) * len(args.dtype.split(",")),
-                  "factor": FACTOR, "pass": args.pass_, "seed": args.seed,
-                  "environment": environment(done[0].device if done else args.device),
-                  "rows": [r.summary() for r in done]}
+        record = {"command": command, "started": started,
+                  "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "rounds_done": done_rounds, "rounds": rounds, "factor": FACTOR, "pass": args.pass_,
+                  "seed": args.seed, "environment": environment(rows[0].device), "rows": [r.summary() for r in rows]}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
 
-    for impl in args.impl:
-        for dtype in args.dtype.split(","):
-            rows.append(campaign(impl, dtype, args.cases, args.device, args.pass_, args.seed, checkpoint=write))
-            write()
-            console.print(table(rows[-1:]))
+    for round_ in range(rounds):
+        share = args.cases // rounds + (1 if round_ < args.cases % rounds else 0)
+        for row in rows:
+            campaign(row, share, args.pass_, None if args.seed is None else args.seed + round_, checkpoint=write)
+        done_rounds = round_ + 1
+        write()
     console.print(table(rows))
     return 0
 
