@@ -73,3 +73,16 @@ def pytest_runtest_setup(item):
                 pytest.fail(f"@pytest.mark.{name} needs reason='...': why the test holds only there", pytrace=False)
             if not holds_here:
                 pytest.skip(f"{words}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    """With SSDIFF_TEST_LOG=path: each test's outcome and duration appended as it ends, with the traceback of a
+    failure (a GPU runner's run cut at its time limit keeps what failed and why; pytest prints it only at the
+    end). Under xdist this runs in the controlling process, which sees every worker's reports."""
+    path = os.environ.get("SSDIFF_TEST_LOG")
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return
+    with open(path, "a") as log:
+        log.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+        if report.failed:
+            log.write(report.longreprtext[-6000:] + "\n\n")

@@ -155,11 +155,11 @@ def release_version(where: Path) -> Optional[str]:
 
 
 def run_repro(path: Path, release: Optional[Path] = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run repro.py as a stranger would: a clean environment (nothing of ssdiff on the path), mamba_ssm from
-    ``release`` when given, else the installed one."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(release) if release else ""}
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,
-                          cwd=Path(path).parent, timeout=timeout)
+    """Run repro.py as a stranger would (harness.repro.run), mamba_ssm from ``release`` when given, else the
+    installed one."""
+    from harness import repro
+
+    return repro.run(path, first=str(release) if release else "", timeout=timeout)
 
 
 # ---- compute (slow): minimize, write case.json, finding.json, repro.py --------------------------------------

@@ -28,7 +28,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
@@ -241,7 +241,7 @@ class Fuzzer:
         if use_pool and any(i.kernel_modules() for i in self.impls.values()):
             mix = cfg.pool_mix or (Mix() if cfg.bounds is None else Mix(production=0.0))
             self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
-                             seed=cfg.seed, accept=lambda key: self.examiner.fit(key.case()) is not None)
+                             seed=cfg.seed, fit=self.examiner.fit)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -429,8 +429,7 @@ class Fuzzer:
         if self.compiler is None:
             return
         backward = (False, True) if self.backward is None else (self.backward,)
-        self.compiler.submit([replace(k.case(), pass_="backward" if b else "forward") for k in keys
-                              for b in backward])
+        self.compiler.submit([k.case(backward=b) for k in keys for b in backward])
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
@@ -442,7 +441,7 @@ class Fuzzer:
                     return False
                 choice = key.boundary.config if key.boundary is not None and self.config.autotune in (
                     "tuned", "random") else (0 if self.config.autotune == "random" else self.config.autotune)
-                if self._judge(replace(key.case(), pass_="backward" if b else "forward"), choice):
+                if self._judge(key.case(backward=b), choice):
                     return True
         return False
 

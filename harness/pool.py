@@ -7,9 +7,11 @@ autotune key (chunk size, headdim, dstate, nheads...). A case drawn freely meets
 every time: a compile of seconds (and, tuned, a benchmark of every config) for a judgement of milliseconds.
 
 So on a GPU every case of a search round is drawn from one of a few `CompileKey`s: each fixes what shapes
-the tensors (dtype, batch, nheads, ngroups, headdim, dstate, chunk size, layout, the mixer's widths) and the
-class of seqlen (its 2-adic valuation up to 16, and that of its chunk count, each with "is 1"); seqlen within
-that class, the sequence layout, initial states, every feature flag and the values vary freely. After each
+the tensors (dtype, batch, nheads, ngroups, headdim, dstate, chunk size, layout, the mixer's widths), the
+class of seqlen (its 2-adic valuation up to 16, and that of its chunk count, each with "is 1") and the
+features that select a kernel variant (`FLAGS`: constexpr switches such as D per channel, z, softplus, and
+arguments passed as a tensor or None such as initial states, seq_idx, final-state gradients); seqlen within
+that class, sequence lengths and padding, dt_limit's values, the value regime and the seed vary freely. After each
 round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up. Keys
 come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`) and "boundary" (one dimension
 at a block-size boundary of the implementation's configs, run with that config: harness/tiling.py).
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from harness.strategies import Bounds, divisors
@@ -42,6 +44,34 @@ def spec_class(n: int) -> tuple:
 
 def seqlen_class(seqlen: int, chunk_size: int) -> tuple:
     return spec_class(seqlen) + spec_class(-(-seqlen // chunk_size))
+
+
+# Case fields that select a kernel variant without being a size (see the module docstring), by entry. "seq_idx"
+# and "dt_limit" stand for the presence of segments and of a dt_limit; varlen_states applies to forward cases
+# and final_state_grad to backward ones (the others of the key go without).
+FLAGS = {
+    "chunk_scan": ("D", "has_z", "has_dt_bias", "dt_softplus", "dt_limit", "initial_states", "seq_idx",
+                   "return_final_states", "varlen_states", "final_state_grad"),
+    "split_conv1d": ("D", "dt_limit", "initial_states", "seq_idx", "return_final_states", "final_state_grad",
+                     "activation", "rmsnorm", "norm_before_gate", "outproj_bias"),
+    "decode": ("D", "has_z", "has_dt_bias", "dt_softplus", "dt_limit", "initial_states", "state_dtype",
+               "state_batch_indices"),
+}
+
+
+def flags_of(case) -> tuple:
+    """``case``'s values of its entry's FLAGS, as (name, value) pairs."""
+    def value(name):
+        if name == "seq_idx":
+            return case.segments is not None
+        if name == "dt_limit":
+            return case.dt_limit is not None
+        return getattr(case, name)
+    return tuple((name, value(name)) for name in FLAGS.get(case.entry, ()))
+
+
+def _halves(seqlen: int) -> tuple:
+    return (seqlen // 2, seqlen - seqlen // 2) if seqlen >= 2 else (seqlen,)
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,11 @@ class CompileKey:
     out_dim: Optional[int] = None
     conv_width: int = 4
     boundary: Optional[Boundary] = None      # the config a boundary key runs with
+    flags: tuple = ()                        # (name, value) of FLAGS[entry] (none pinned when empty)
+
+    @property
+    def pinned(self) -> dict:
+        return dict(self.flags)
 
     def fits(self, seqlen: int) -> bool:
         return (self.seqlen_min <= seqlen <= self.seqlen_max
@@ -87,15 +122,37 @@ class CompileKey:
             out.update(d_nonssm=self.d_nonssm, out_dim=self.out_dim, conv_width=self.conv_width)
         return out
 
-    def case(self):
-        """The key's representative: its own seqlen, default features."""
+    def case(self, backward: bool = False):
+        """The key's representative for one pass: its own seqlen, its flags (two sequences per row where it
+        has seq_idx; a forward-only flag off backward and a backward-only one off forward), values at their
+        defaults."""
         from harness.case import Case, Regime
 
-        return Case(seqlen=self.seqlen, regime=Regime(layout=self.layout), **self.fixed())
+        fields = dict(seqlen=self.seqlen, regime=Regime(layout=self.layout), **self.fixed())
+        pin = self.pinned
+        for name, value in pin.items():
+            if name == "seq_idx":
+                fields["segments"] = (_halves(self.seqlen),) * self.batch if value else None
+            elif name == "dt_limit":
+                fields["dt_limit"] = (0.0, 1.0) if value else None
+            elif name not in ("varlen_states", "final_state_grad"):
+                fields[name] = value
+        if backward:
+            fields["pass_"] = "backward"
+            fields["final_state_grad"] = bool(pin.get("final_state_grad")) and fields.get("return_final_states", True)
+        else:
+            fields["varlen_states"] = bool(pin.get("varlen_states")) and fields.get("segments") is not None
+        if not fields.get("rmsnorm", True):
+            fields["norm_before_gate"] = True
+        if fields.get("out_dim", 0) is None:
+            fields["outproj_bias"] = False
+        return Case(**fields)
 
     def describe(self) -> str:
         text = (f"{self.kind} {self.entry} {self.dtype} b={self.batch} h={self.nheads} g={self.ngroups} "
                 f"p={self.headdim} n={self.dstate} Q={self.chunk_size} L~{self.seqlen} {self.layout}")
+        on = [name if value is True else f"{name}={value}" for name, value in self.flags if value is not False]
+        text += f" {{{', '.join(on)}}}" if self.flags else ""
         return text + (f" [{self.boundary.describe()}]" if self.boundary else "")
 
 
@@ -127,13 +184,14 @@ class Pool:
     """The keys of the current round, for one campaign (its entries, dtypes, bounds, boundaries)."""
 
     def __init__(self, entries, dtypes, bounds: Bounds, boundaries=(), mix: Mix = Mix(),
-                 production: Production = Production(), seed: Optional[int] = None, accept=None):
-        """``accept(key) -> bool``: whether the implementations can run the key's cases at all (a key they
-        would skip wholesale is drawn again, up to 20 times)."""
+                 production: Production = Production(), seed: Optional[int] = None, fit=None):
+        """``fit(case) -> Case or None``: the case with what the implementations cannot express switched off,
+        or None when they cannot run it. A key is what its fitted representative is (a key whose representative
+        cannot run is drawn again, up to 20 times), so that its cases, fitted the same way, keep its variant."""
         self.entries, self.dtypes, self.bounds = tuple(entries), tuple(dtypes), bounds
         self.boundaries, self.mix, self.production = tuple(boundaries), mix, production
         self.rng = random.Random(seed)
-        self.accept = accept or (lambda key: True)
+        self.fit = fit or (lambda case: case)
         # Boundary keys take the boundaries in a shuffled cycle, so that a campaign's rotations cover them all.
         self._boundary_order = list(self.boundaries)
         self.rng.shuffle(self._boundary_order)
@@ -168,9 +226,50 @@ class Pool:
     def draw(self, kind: str) -> CompileKey:
         for _ in range(20):
             key = self._draw(kind)
-            if self.accept(key):
-                break
+            fitted = self.fit(key.case())
+            if fitted is not None:
+                return self._refit(key, fitted)
         return key
+
+    @staticmethod
+    def _refit(key: CompileKey, fitted) -> CompileKey:
+        """``key`` with what fitting its representative changed (a feature switched off, a size reduced)."""
+        changes = {name: getattr(fitted, name) for name in key.fixed() if getattr(fitted, name) != getattr(key, name)}
+        if fitted.seqlen != key.seqlen:
+            changes.update(seqlen=fitted.seqlen, seqlen_min=min(key.seqlen_min, fitted.seqlen),
+                           seqlen_max=max(key.seqlen_max, fitted.seqlen))
+        if fitted.regime.layout != key.layout:
+            changes["layout"] = fitted.regime.layout
+        pin = dict(key.flags)
+        for name, value in flags_of(fitted):
+            if name not in ("varlen_states", "final_state_grad"):       # pass-specific: off in the forward case
+                pin[name] = value
+        if "varlen_states" in pin and (not pin.get("seq_idx") or fitted.batch != 1):
+            pin["varlen_states"] = False
+        changes["flags"] = tuple(pin.items())
+        return replace(key, **changes)
+
+    def _draw_flags(self, entry: str, batch: int) -> tuple:
+        """FLAGS[entry], drawn as the strategies draw them (harness/strategies.py)."""
+        rng = self.rng
+        coin = lambda: rng.random() < 0.5
+        pin = {"D": rng.choice(("head", "none", "channel") if entry != "split_conv1d" else ("head", "channel"))}
+        if entry != "split_conv1d":
+            pin.update(has_z=coin(), has_dt_bias=coin(), dt_softplus=coin())
+        pin.update(dt_limit=coin(), initial_states=coin())
+        if entry == "decode":
+            pin.update(state_dtype=rng.choice(tuple(dict.fromkeys(("float32", *self.dtypes)))),
+                       state_batch_indices=coin())
+        else:
+            pin.update(seq_idx=coin(), return_final_states=coin())
+            pin["final_state_grad"] = pin["return_final_states"] and coin()
+            if entry == "chunk_scan":
+                pin["varlen_states"] = pin["seq_idx"] and batch == 1 and coin()
+        if entry == "split_conv1d":
+            pin.update(activation=rng.choice(("silu", "identity")), rmsnorm=coin())
+            pin["norm_before_gate"] = not pin["rmsnorm"] or coin()
+            pin["outproj_bias"] = coin()
+        return tuple((name, pin[name]) for name in FLAGS[entry])
 
     def _draw(self, kind: str) -> CompileKey:
         rng, b = self.rng, self.bounds
@@ -181,11 +280,12 @@ class Pool:
             headdim, dstate = rng.choice(prod.headdims), rng.choice(prod.dstates)
             chunk = rng.choice(prod.chunk_sizes)
             batch = rng.randint(1, prod.max_batch)
-            seqlen = int(round(math.exp(rng.uniform(math.log(prod.min_seqlen), math.log(prod.max_seqlen)))))
-            room = prod.max_elements // (batch * seqlen * headdim)
-            nheads = rng.choice([h for h in prod.nheads if h <= room] or [1])
+            # nheads among those that leave room for min_seqlen tokens, then seqlen log-uniform in what is left
+            room = prod.max_elements // (batch * prod.min_seqlen * headdim)
+            nheads = rng.choice([h for h in prod.nheads if h <= room] or [min(prod.nheads)])
             lo = prod.min_seqlen
             hi = min(prod.max_seqlen, max(lo, prod.max_elements // (batch * nheads * headdim)))
+            seqlen = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
             ngroups = rng.choice([g for g in (1, 8, nheads) if nheads % g == 0])
         else:
             headdim, dstate = rng.randint(1, b.max_headdim), rng.randint(1, b.max_dstate)
@@ -205,12 +305,15 @@ class Pool:
             seqlen = rng.randint(lo, hi)
         layout = rng.choice(("contiguous", "strided")) if entry == "chunk_scan" else "contiguous"
         mixer = {}
+        flags = self._draw_flags(entry, batch)
         if entry == "split_conv1d":
             mixer = dict(d_nonssm=rng.choice((0, 0, 2, 3)), out_dim=rng.choice((None, rng.randint(1, 8))),
                          conv_width=rng.randint(1, 4))
+            if mixer["out_dim"] is None:
+                flags = tuple((n, False if n == "outproj_bias" else v) for n, v in flags)
         return CompileKey(kind=kind, dtype=dtype, entry=entry, batch=batch, nheads=nheads, ngroups=ngroups,
                           headdim=headdim, dstate=dstate, chunk_size=chunk, layout=layout, seqlen=seqlen,
-                          seqlen_min=lo, seqlen_max=hi, boundary=boundary, **mixer)
+                          seqlen_min=lo, seqlen_max=hi, boundary=boundary, flags=flags, **mixer)
 
 
-__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "spec_class", "seqlen_class"]
+__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "FLAGS", "flags_of", "spec_class", "seqlen_class"]

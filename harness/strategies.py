@@ -8,7 +8,7 @@ drawn Case is valid and shrinking moves toward the simplest one (Case() defaults
 
 Two refinements the fuzzer uses: ``boundary=`` (harness/tiling.py) puts one dimension at a block-size
 boundary of the implementation's configs; ``key=`` (harness/pool.py, on a GPU) fixes every shape field but
-seqlen, which stays in the key's specialization class.
+seqlen, which stays in the key's specialization class, and the features that select a kernel variant.
 """
 
 from __future__ import annotations
@@ -81,10 +81,17 @@ def lengths_summing_to(draw, total: int, max_parts: int = 4) -> tuple:
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+def _pinned(pin: Optional[dict], name: str, strategy):
+    """``strategy``, or the key's value of ``name`` where a compile key pins it (harness/pool.py: FLAGS)."""
+    return st.just(pin[name]) if pin is not None and name in pin else strategy
+
+
 @st.composite
-def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_padding: bool = True) -> dict:
-    """segments / padding / seq_idx_start, or nothing. Boundaries land mid-chunk and on chunk edges."""
-    if not draw(st.booleans()):
+def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_padding: bool = True,
+                    present: Optional[bool] = None) -> dict:
+    """segments / padding / seq_idx_start, or nothing (``present``: whether there are segments; None: drawn).
+    Boundaries land mid-chunk and on chunk edges."""
+    if not (draw(st.booleans()) if present is None else present):
         return {}
     segments, padding = [], []
     for _ in range(batch):
@@ -118,47 +125,50 @@ def regimes(draw, layouts: Sequence[str] = ("contiguous", "strided")) -> Regime:
 
 
 @st.composite
-def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str) -> dict:
-    """The optional features of the scan (D, z, dt_bias, softplus, dt_limit, initial states, seq_idx)."""
+def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str, pin: Optional[dict] = None) -> dict:
+    """The optional features of the scan (D, z, dt_bias, softplus, dt_limit, initial states, seq_idx); ``pin``:
+    a compile key's flags, held at their values."""
     scan_like = entry in ("chunk_scan", "decode")
-    out = dict(D=draw(st.sampled_from(("head", "none", "channel") if scan_like else ("head", "channel"))))
+    out = dict(D=draw(_pinned(pin, "D", st.sampled_from(("head", "none", "channel") if scan_like
+                                                        else ("head", "channel")))))
     if scan_like:
-        out["has_z"] = draw(st.booleans())
-        out["has_dt_bias"] = draw(st.booleans())
-        out["dt_softplus"] = draw(st.booleans())
-    if draw(st.booleans()):
+        for name in ("has_z", "has_dt_bias", "dt_softplus"):
+            out[name] = draw(_pinned(pin, name, st.booleans()))
+    if draw(_pinned(pin, "dt_limit", st.booleans())):
         lo = draw(st.sampled_from((0.0, 0.001, 0.01)))
         out["dt_limit"] = (lo, draw(st.sampled_from((0.05, 0.1, 1.0, math.inf))))
-    out["initial_states"] = draw(st.booleans())
+    out["initial_states"] = draw(_pinned(pin, "initial_states", st.booleans()))
     if entry == "decode":               # one sequence per row; the step kernel always updates its state
         return out
-    out.update(draw(sequence_layout(batch, seqlen, chunk_size)))
-    out["return_final_states"] = draw(st.booleans())
+    out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"))))
+    out["return_final_states"] = draw(_pinned(pin, "return_final_states", st.booleans()))
     return out
 
 
 @st.composite
-def decode_features(draw, seqlen: int, dtypes: Sequence[str], max_steps: int = 6) -> dict:
+def decode_features(draw, seqlen: int, dtypes: Sequence[str], max_steps: int = 6, pin: Optional[dict] = None) -> dict:
     """The decode entry's own fields: how many of the seqlen tokens are single steps (the rest is the prefill),
     the state's dtype (float32 or one of the case dtypes allowed), rows mapped to state slots."""
     return dict(decode_steps=draw(st.integers(1, min(seqlen, max_steps))),
-                state_dtype=draw(st.sampled_from(tuple(dict.fromkeys(("float32", *dtypes))))),
-                state_batch_indices=draw(st.booleans()))
+                state_dtype=draw(_pinned(pin, "state_dtype", st.sampled_from(tuple(dict.fromkeys(("float32",
+                                                                                                   *dtypes)))))),
+                state_batch_indices=draw(_pinned(pin, "state_batch_indices", st.booleans())))
 
 
 @st.composite
 def mixer_features(draw, nheads: int, headdim: int, key=None) -> dict:
     """The split-conv1d mixer's own features (conv width, activation, SwiGLU branch, norm, out_proj); a
-    ``key`` fixes the widths (conv width, d_nonssm, out_dim)."""
+    ``key`` fixes the widths (conv width, d_nonssm, out_dim) and its flags."""
+    pin = key.pinned if key else None
     out = dict(conv_width=key.conv_width if key else draw(st.integers(1, 4)),
-               activation=draw(st.sampled_from(("silu", "identity"))))
-    out["rmsnorm"] = draw(st.booleans())
+               activation=draw(_pinned(pin, "activation", st.sampled_from(("silu", "identity")))))
+    out["rmsnorm"] = draw(_pinned(pin, "rmsnorm", st.booleans()))
     if out["rmsnorm"]:
-        out["norm_before_gate"] = draw(st.booleans())
+        out["norm_before_gate"] = draw(_pinned(pin, "norm_before_gate", st.booleans()))
     out["d_nonssm"] = key.d_nonssm if key else draw(st.sampled_from((0, 0, 2, 3)))
     if (key.out_dim is not None) if key else draw(st.booleans()):
         out["out_dim"] = key.out_dim if key else draw(st.integers(1, 8))
-        out["outproj_bias"] = draw(st.booleans())
+        out["outproj_bias"] = draw(_pinned(pin, "outproj_bias", st.booleans()))
     return out
 
 
@@ -171,20 +181,22 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     if key is not None:
         entry, dtypes, layouts = key.entry, (key.dtype,), (key.layout,)
     entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))    # decode only when asked for
+    pin = key.pinned if key is not None else None
     shape = draw(shapes(bounds, boundary, key))
     fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
-    fields.update(draw(scan_features(shape["batch"], shape["seqlen"], shape["chunk_size"], entry)))
+    fields.update(draw(scan_features(shape["batch"], shape["seqlen"], shape["chunk_size"], entry, pin)))
     if entry == "split_conv1d":
         fields.update(draw(mixer_features(shape["nheads"], shape["headdim"], key)))
     if entry == "decode":
-        fields.update(draw(decode_features(shape["seqlen"], dtypes)))
+        fields.update(draw(decode_features(shape["seqlen"], dtypes, pin=pin)))
     fields["regime"] = draw(regimes(layouts))
     do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode"
     if do_backward:
         fields["pass_"] = "backward"
-        fields["final_state_grad"] = fields["return_final_states"] and draw(st.booleans())
+        fields["final_state_grad"] = fields["return_final_states"] and draw(_pinned(pin, "final_state_grad",
+                                                                                    st.booleans()))
     elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
-          and draw(st.booleans())):
+          and draw(_pinned(pin, "varlen_states", st.booleans()))):
         fields["varlen_states"] = True
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

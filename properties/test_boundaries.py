@@ -8,7 +8,6 @@ a size the CPU bounds (headdim <= 8) never reach but for the boundary draws.
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +15,7 @@ from harness import doubles, tiling
 from harness.case import Case
 from harness.fuzz import FuzzConfig, Fuzzer
 from harness.impls import get
-from harness.pool import CompileKey, Mix, Pool, Production, seqlen_class
+from harness.pool import FLAGS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
 from harness.strategies import Bounds, cases, maybe_boundary
 
 TILING_BUG = "harness.doubles:tiling_bug"
@@ -79,16 +78,38 @@ def small_pool(seed=0, **kw) -> Pool:
                 tiling.boundaries(get("mamba_ssm.chunk_scan_combined"), "cuda"), seed=seed, **kw)
 
 
-def test_a_key_fixes_the_shape_and_keeps_seqlen_in_its_class():
+def test_a_key_fixes_the_shape_and_the_variant_flags_and_keeps_seqlen_in_its_class():
     pool = small_pool(seed=1)
     for key in pool.keys:
+        variants = {b: flags_of(key.case(backward=b)) for b in (False, True)}
+
         @settings(max_examples=15)
         @given(cases(key=key, backward=None))
         def drawn(case):
             fixed = key.fixed()
             assert {k: getattr(case, k) for k in fixed} == fixed and case.regime.layout == key.layout
             assert key.fits(case.seqlen), (key.describe(), case.seqlen)
+            assert flags_of(case) == variants[case.backward], (key.describe(), case.describe())
         drawn()
+
+
+def test_keys_pin_every_variant_flag_and_vary_them_across_keys():
+    """Across a campaign's keys each flag takes both values (rotation is what varies them)."""
+    pool = small_pool(seed=4)
+    keys = [pool.draw("small") for _ in range(40)]
+    for entry in ("chunk_scan", "split_conv1d"):
+        mine = [k for k in keys if k.entry == entry]
+        assert mine and all(tuple(n for n, _ in k.flags) == FLAGS[entry] for k in mine)
+        for name in ("initial_states", "seq_idx", "return_final_states"):
+            assert {k.pinned[name] for k in mine} == {False, True}, (entry, name)
+
+
+def test_a_key_is_what_fitting_its_representative_leaves():
+    """An implementation that cannot express a flag (here: no initial states) gets keys without it."""
+    def fit(case):
+        return case.replace(initial_states=False) if case.initial_states else case
+    pool = small_pool(seed=6, fit=fit)
+    assert all(not pool.draw("small").pinned["initial_states"] for _ in range(20))
 
 
 def test_keys_come_in_the_mix_and_rotate_one_at_a_time():

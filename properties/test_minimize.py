@@ -3,15 +3,14 @@ until the one-line upstream fix is applied; planted bugs keep their stage; repla
 bad input is refused clearly."""
 
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness import repro
 from harness.case import Case, Regime
 from harness.cli import main
 from harness.examine import Examiner
@@ -24,13 +23,7 @@ SEED_START = Case(entry="split_conv1d", batch=2, seqlen=24, nheads=4, ngroups=2,
 
 
 def _run_repro(path: Path, extra_path: str = "") -> subprocess.CompletedProcess:
-    """Run a repro.py as a user would: the packages it needs importable (the caller's PYTHONPATH entries are kept:
-    a GPU runner may provide mamba_ssm there), ssdiff itself not (neither the repository nor the cwd)."""
-    repo = Path(__file__).resolve().parents[1]
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != repo]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([p for p in [extra_path, *kept] if p])}
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=path.parent,
-                          timeout=300)
+    return repro.run(path, first=extra_path)
 
 
 @pytest.fixture(scope="module")
