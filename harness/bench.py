@@ -5,7 +5,8 @@
 
 Each campaign is its own `ssdiff fuzz` process (so nothing compiled stays in memory between them) with a
 Triton cache of its own: "cold" starts from an empty cache, "warm" runs again on the cache the cold run left
-(TRITON_CACHE_DIR; the autotune results stay on disk with TRITON_CACHE_AUTOTUNING=1). Columns: cases judged
+(TRITON_CACHE_DIR; the autotune results stay on disk with TRITON_CACHE_AUTOTUNING=1) with the same seed, so that
+it draws the compile keys the cold run compiled (more, where it gets further). Columns: cases judged
 per minute of search, the time to the first judged case from the process's start (imports, compiling and the
 first case's judgement included), the share at production shapes (seqlen >= 2048 and dstate >= 128), and the largest
 ratio to budget any case reached. Results for the H200 and the CPU: harness/BENCHMARKS.md.
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=300.0, help="seconds per campaign")
     parser.add_argument("--warm-only", action="store_true", help="skip the cold run (the cache is filled by a "
                                                                    "short unmeasured run instead)")
+    parser.add_argument("--seed", type=int, default=0, help="the campaigns' seed (the same for cold and warm)")
     parser.add_argument("--cache-root", default=None, help="where the per-implementation Triton caches go")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("fuzz_args", nargs="*", help="after --: more `ssdiff fuzz` arguments")
@@ -68,9 +70,10 @@ def main(argv=None) -> int:
     for impl, pass_ in targets:
         cache = os.path.join(root, impl.replace(":", "_"), "triton")
         out = os.path.join(root, impl.replace(":", "_"))
-        cold = campaign(impl, pass_, args.dtype, 30.0 if args.warm_only else args.budget, cache, out + "/cold",
-                        args.fuzz_args)
-        warm = campaign(impl, pass_, args.dtype, args.budget, cache, out + "/warm", args.fuzz_args)
+        # One seed for both runs: the warm run draws the compile keys the cold run compiled.
+        extra = ["--seed", str(args.seed), *args.fuzz_args]
+        cold = campaign(impl, pass_, args.dtype, 30.0 if args.warm_only else args.budget, cache, out + "/cold", extra)
+        warm = campaign(impl, pass_, args.dtype, args.budget, cache, out + "/warm", extra)
         row = {"impl": impl, "pass": pass_, "dtype": args.dtype, "device": warm.get("device"),
                "cold": None if args.warm_only else cold, "warm": warm}
         rows.append(row)

@@ -529,6 +529,8 @@ class Fuzzer:
                 for round_ in itertools.count():
                     examples = ROUND_EXAMPLES if cfg.max_examples is None else \
                         min(ROUND_EXAMPLES, cfg.max_examples - self.report.tried)
+                    if examples <= 0:               # the keys' representative cases spent the example budget
+                        break
                     before = self.report.tried
                     search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
                     if stop_reason or self._out_of_budget():

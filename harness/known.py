@@ -44,6 +44,9 @@ class KnownDefect:
     # The predicate covers every case of a pass and dtype: (backward, dtype) -> bool. Properties that draw cases
     # for that pass say so instead of drawing (nothing is left to draw).
     whole_pass: Callable[[bool, str], bool] = lambda backward, dtype: False
+    # Device types where the example is measured to diverge, when not every one: a numerical defect whose size
+    # depends on the device's order of operations can fall within budget elsewhere at the same inputs.
+    example_devices: tuple = ()
 
     def affects(self, version: Optional[str]) -> bool:
         """Is release ``version`` of the package affected (None: not installed)?"""
@@ -197,7 +200,9 @@ DEFECTS += (
         status="by design (the paper's listing)", test=UPSTREAM_TESTS,
         example=Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
                      dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward",
-                     seed=1)),
+                     seed=1),
+        # On an H200 (torch 2.11, 2026-12-02) this example's gradient of A was within budget.
+        example_devices=("cpu",)),
     KnownDefect(
         id="mamba-chunk-scan-ref-y-dtype",
         implementations=("mamba_ssm.chunk_scan_ref",), package="mamba-ssm", affected=("2.0.0", None),

@@ -54,13 +54,20 @@ def _compile_case(spec: str, case_json: str, choice, device: str) -> tuple:
         return time.perf_counter() - start, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
+def default_workers() -> int:
+    """The host's cores but one, shared among the processes of a pytest-xdist run (PYTEST_XDIST_WORKER_COUNT):
+    eight test workers, each a campaign with a worker per core, would put 128 compilers on 16 cores."""
+    share = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    return max(1, min(16, ((os.cpu_count() or 2) - 1) // share))
+
+
 class Compiler:
     """A pool of worker processes compiling representative cases ahead (see the module docstring)."""
 
     def __init__(self, sides: dict, device: str, autotune, workers: Optional[int] = None):
         self.sides, self.device = sides, device
         self.indices = config_indices(sides.values(), autotune)
-        self.workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+        self.workers = workers or default_workers()
         self._executor = None
         self.futures: list = []
 

@@ -451,6 +451,10 @@ def reproduces(defect: known.KnownDefect, case: Case, device: str, request):
 @pytest.mark.parametrize("defect", known.DEFECTS, ids=lambda d: d.id)
 def test_known_defect_reproduces(defect, device, request):
     """Each record's example diverges from the oracle on an affected release and agrees on a fixed one."""
+    kind = device.split(":")[0]
+    if defect.example_devices and kind not in defect.example_devices:
+        pytest.skip(f"{defect.id}: its example is measured to diverge on {', '.join(defect.example_devices)} only "
+                    f"(a numerical defect whose size follows the device's order of operations)")
     reproduces(defect, defect.example, device, request)
 
 
