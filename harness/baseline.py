@@ -98,12 +98,26 @@ def round_to(t: torch.Tensor, precision: str) -> torch.Tensor:
 UNIT = {"float32": 2.0 ** -24, "tf32": 2.0 ** -10, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
 
-def _perturb(t: torch.Tensor, precision: str, gen: Optional[torch.Generator]) -> torch.Tensor:
+class Signs:
+    """A sample's random signs, one seeded generator per device (drawn where the tensor is: a sign tensor
+    of a production-size case drawn on the host and copied costs more than the rest of the sample)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generators: dict = {}
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        gen = self._generators.get(t.device)
+        if gen is None:
+            gen = self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
+        return torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=torch.int8).to(t.dtype) * 2 - 1
+
+
+def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Tensor:
     """``t`` times (1 +- u) with an independent random sign per element (u: the precision's unit roundoff)."""
     if gen is None:
         return t
-    sign = torch.randint(0, 2, t.shape, generator=gen, dtype=torch.int8).to(t.device, t.dtype) * 2 - 1
-    return t * (1.0 + UNIT[precision] * sign)
+    return t * (1.0 + UNIT[precision] * gen.like(t))
 
 
 class _Round(torch.autograd.Function):
@@ -145,7 +159,7 @@ class Rounding:
 
     def __init__(self, dot_precision: str, store_precision: Optional[str], sample: int = 0,
                  linear_precision: Optional[str] = None):
-        self.gen = torch.Generator().manual_seed(7919 * sample) if sample else None
+        self.gen = Signs(7919 * sample) if sample else None
         self.dot_precision = dot_precision
         self.store_precision = store_precision
         self.linear_precision = linear_precision or dot_precision
