@@ -78,11 +78,16 @@ def pytest_runtest_setup(item):
 def pytest_runtest_logreport(report):
     """With SSDIFF_TEST_LOG=path: each test's outcome and duration appended as it ends, with the traceback of a
     failure (a GPU runner's run cut at its time limit keeps what failed and why; pytest prints it only at the
-    end). Under xdist this runs in the controlling process, which sees every worker's reports."""
+    end). Under xdist the controlling process writes it (it sees every worker's reports), the workers do not."""
     path = os.environ.get("SSDIFF_TEST_LOG")
-    if not path or not (report.when == "call" or report.failed or report.skipped):
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not (report.when == "call" or report.failed or report.skipped):
         return
+    xfail = getattr(report, "wasxfail", None)
+    outcome = ("XFAIL" if report.skipped else "XPASS") if xfail is not None else report.outcome.upper()
+    reason = xfail if xfail is not None else (report.longrepr[2] if report.skipped and isinstance(report.longrepr, tuple)
+                                              else "")
     with open(path, "a") as log:
-        log.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+        log.write(f"{outcome} {report.nodeid} ({report.when}, {report.duration:.1f} s)"
+                  + (f": {reason}" if reason else "") + "\n")
         if report.failed:
             log.write(report.longreprtext[-6000:] + "\n\n")
