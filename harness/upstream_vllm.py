@@ -313,11 +313,14 @@ def vllm_chunk_metadata_function():
     spec = importlib.util.find_spec("vllm.v1.attention.backends.mamba_attn")
     if spec is None or not spec.origin:
         raise Unavailable(f"{name} is not in the installed vllm")
+    before = set(sys.modules)
     try:
         module = importlib.import_module(name)
         return module.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata, f"imported from {name}"
     except Exception as err:
         why = one_line(err)
+        for partial in set(sys.modules) - before:       # what the failed import left half-initialized
+            del sys.modules[partial]
     with open(spec.origin, encoding="utf-8") as handle:
         tree = ast.parse(handle.read(), filename=spec.origin)
     for node in ast.walk(tree):
