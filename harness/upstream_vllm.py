@@ -270,6 +270,10 @@ def _load_vllm() -> VllmRelease:
             raise Unavailable(f"{label}: {OPS}.{name} does not import here (module {err.name} is missing)") from None
         except Exception as err:
             raise Unavailable(f"{label}: {OPS}.{name} does not import here ({one_line(err)})") from None
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        # warning_once names every launch shape without a tuned step-kernel config file: noise in a campaign.
+        import logging
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     missing = {}
     if not hasattr(ops["ssd_combined"], "mamba_chunk_scan_combined_varlen"):
         missing["varlen"] = f"{label} has no mamba_chunk_scan_combined_varlen"

@@ -32,6 +32,7 @@ from harness.chunk_metadata import ChunkMetadata, chunk_metadata
 from harness.evaluation import Evaluation
 from harness.impls import register
 from harness.impls.base import Capabilities, Implementation, limit
+from harness.impls.mamba_ssm import unclamped_dt
 
 
 @dataclass
@@ -167,7 +168,8 @@ def _state_dtype_runs(case: Case) -> Optional[str]:
 
 
 class SelectiveStateUpdate(VllmImplementation):
-    """The decode entry by vLLM's step kernel, called as vLLM's Mamba-2 mixer calls it: A, dt and dt_bias
+    """The decode entry by vLLM's step kernel (no dt_limit argument: like mamba_ssm's, it never clamps dt, so
+    dt_bias without softplus is outside what it expresses), called as vLLM's Mamba-2 mixer calls it: A, dt and dt_bias
     broadcast over headdim with stride 0 (the kernel's tie_hdim path), D per head broadcast the same way (or
     per channel), ``out`` preallocated, one call per decoded token, the state updated in place in a state
     cache. With state_batch_indices, slot ``null_block_id`` (vLLM's NULL_BLOCK_ID) is reserved as vLLM
@@ -185,7 +187,7 @@ class SelectiveStateUpdate(VllmImplementation):
             limits=(limit(lambda c: c.D == "none", "selective_state_update takes D as a required argument"),
                     limit(lambda c: not c.has_dt_bias, "selective_state_update takes dt_bias as a required "
                                                        "argument"),
-                    _state_dtype_runs))
+                    unclamped_dt, _state_dtype_runs))
 
     def null_block_id(self) -> int:
         return int(self.release.ops["mamba_ssm"].NULL_BLOCK_ID)
