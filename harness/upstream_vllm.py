@@ -194,10 +194,10 @@ def _install_standins(root: str) -> frozenset:
     return frozenset(installed)
 
 
-def shipped_version(root: str) -> str:
-    """The release number from the wheel's vllm/_version.py (read, not imported)."""
+def shipped_version(root: str, file: str = "_version.py") -> str:
+    """The release number from a package's version file (vllm/_version.py; read, not imported)."""
     try:
-        with open(os.path.join(root, "_version.py"), encoding="utf-8") as handle:
+        with open(os.path.join(root, file), encoding="utf-8") as handle:
             text = handle.read()
     except OSError:
         return "unknown"
@@ -343,14 +343,53 @@ def vllm_chunk_metadata_function():
 
 # ---- sglang ----------------------------------------------------------------------------------------------
 
-SGLANG_OPS = "sglang.srt.layers.attention.mamba.ops"
+# Where sglang keeps its copy: 0.5.23 moved it from sglang/srt/layers/attention/mamba/ops to here.
+SGLANG_OPS = ("sglang.kernels.ops.mamba.triton_ops", "sglang.srt.layers.attention.mamba.ops")
+SGLANG_BARE = ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.mamba",
+               "sglang.kernels.ops.attention", "sglang.kernels.ops.attention.fla", "sglang.kernels.jit",
+               "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.attention", "sglang.srt.layers.attention.mamba",
+               "sglang.srt.utils") + SGLANG_OPS
 
 
-def sglang_problem() -> Optional[str]:
-    """Why sglang's copy of the SSD ops cannot be driven here (one line), or None."""
+def _sglang_import_problem() -> Optional[str]:
     spec = importlib.util.find_spec("sglang")
     if spec is None:
-        return ("package sglang is not installed (not installed by ./dev setup: see harness/README.md, "
-                "'The serving forks')")
-    return (f"sglang is installed but {SGLANG_OPS} has no adapter yet (its ops import the serving stack: "
-            f"see harness/README.md, 'The serving forks')")
+        return ("package sglang is not installed (./dev setup does not install it: sglang 0.5.23's SSD ops import "
+                "its serving stack; harness/README.md, 'The serving forks')")
+    runtime.configure()
+    for name in SGLANG_BARE:
+        try:
+            package_without_init(name)
+        except Unavailable:
+            pass
+    try:
+        from importlib.metadata import version as distribution_version
+        version = distribution_version("sglang")
+    except Exception:
+        version = "unknown"
+    for ops in SGLANG_OPS:
+        try:
+            if importlib.util.find_spec(f"{ops}.ssd_combined") is None:
+                continue
+        except (ImportError, ValueError):
+            continue
+        try:
+            importlib.import_module(f"{ops}.ssd_combined")
+        except ModuleNotFoundError as err:
+            import traceback
+            serving = [f.filename for f in traceback.extract_tb(err.__traceback__) if "/sglang/srt/" in f.filename]
+            if serving:
+                reached = "sglang." + serving[0].split("/sglang/", 1)[1].removesuffix(".py").replace("/", ".")
+                return (f"sglang {version}: {ops}.ssd_combined cannot be imported without sglang's serving stack "
+                        f"(it reaches {reached}, which needs {err.name}, not installed)")
+            return f"sglang {version}: {ops}.ssd_combined needs {err.name}, not installed"
+        except Exception as err:
+            return f"sglang {version}: {ops}.ssd_combined does not import here ({one_line(err)})"
+        return f"sglang {version}: {ops} imports, but ssdiff has no adapter for it yet"
+    return f"sglang {version} has none of {', '.join(SGLANG_OPS)}"
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_problem() -> str:
+    """Why sglang's copy of the SSD ops is not driven here, on one line (remembered per process)."""
+    return _sglang_import_problem()

@@ -407,3 +407,9 @@ def test_the_extracted_files_alone_run_the_adapters(tmp_path, device):
                             env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert str(tmp_path / "vllm-ops") in result.stdout
+
+
+def test_sglang_says_in_one_line_why_it_is_not_driven():
+    why = upstream_vllm.sglang_problem()
+    assert why and "\n" not in why and "sglang" in why
+    assert "not installed" in why or "serving stack" in why or "no adapter" in why or "does not import" in why
