@@ -76,8 +76,8 @@ def pack_pieces(case: Case, tensors: dict, pieces: Sequence[Piece], initial_stat
                 last_of_row=())
 
 
-def sequence_initial_states(case: Case, tensors: dict, pieces: Sequence[Piece]) -> Optional[torch.Tensor]:
-    """The per-sequence initial states the adapter gives ``pieces`` (whole sequences), or None."""
+def sequence_initial_states(case: Case, tensors: dict) -> Optional[torch.Tensor]:
+    """The per-sequence initial states the adapter gives the case's sequences (`sequences`), or None."""
     return pack(case, tensors).initial_states if "initial_states" in tensors else None
 
 
@@ -106,7 +106,7 @@ class ChunkedPrefill(ChunkScanCombinedVarlen):
     def forward(self, case, tensors, inputs, want_stages):
         rel = self.release
         seqs = sequences(case)
-        h0 = sequence_initial_states(case, tensors, seqs)
+        h0 = sequence_initial_states(case, tensors)
         cuts = cut_points(case, seqs)
         first = [dataclasses.replace(p, length=c) for p, c in zip(seqs, cuts)]
         y1, states1 = run_varlen(rel, case, pack_pieces(case, tensors, first, h0))
@@ -202,7 +202,7 @@ def neighbour_mismatches(rel, case: Case, tensors: dict, empty_computed: int = 0
     computed`` tokens already computed: an unaligned count gives it a zero-length chunk) and one after; the
     outputs (y over its tokens and its final state) that differ from the alone run, as one line each."""
     seqs = sequences(case)
-    h0 = sequence_initial_states(case, tensors, seqs)
+    h0 = sequence_initial_states(case, tensors)
     h, p, n = case.nheads, case.headdim, case.dstate
     device = tensors["x"].device
     if h0 is None:

@@ -413,3 +413,28 @@ def test_sglang_says_in_one_line_why_it_is_not_driven():
     why = upstream_vllm.sglang_problem()
     assert why and "\n" not in why and "sglang" in why
     assert "not installed" in why or "serving stack" in why or "no adapter" in why or "does not import" in why
+
+
+def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_path, device):
+    """A chunked-prefill runner that forgets the carried state, on vLLM's real kernel: a short campaign finds it,
+    the minimizer shrinks it, and the repro (reaching the side through ssdiff) exits non-zero."""
+    from harness.fuzz import FuzzConfig, Fuzzer
+
+    usable(CHUNKED, "float32", False, device)
+    spec = "harness.doubles:chunked_prefill_without_state"
+    config = FuzzConfig(impl=spec, out_dir=str(tmp_path), device=device, report_dir=None, max_time=None,
+                        max_examples=40, seed=3, dtypes=("float32",), entry="chunk_scan",
+                        bounds=Bounds(max_batch=2, max_seqlen=16, max_nheads=2, max_headdim=4, max_dstate=4,
+                                      chunk_sizes=(4, 8)))
+    report = Fuzzer(config).run()
+    assert report.exit_code == 1, f"nothing found in {report.tried} cases ({report.stopped})"
+    finding = report.findings[0]
+    assert {t.name for t in finding.outcome.verdicts[spec].failing} & {"y", "final_states", "varlen_states"}
+    minimized = sorted(tmp_path.glob("divergence-*/minimized.json"))
+    repro = sorted(tmp_path.glob("divergence-*/repro.py"))
+    assert minimized and repro, sorted(p.name for p in tmp_path.rglob("*"))
+    small = Case.load(minimized[0])
+    assert small.seqlen <= finding.outcome.case.seqlen and small.nheads <= finding.outcome.case.nheads
+    result = subprocess.run([sys.executable, str(repro[0])], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]

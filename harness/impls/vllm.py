@@ -189,6 +189,10 @@ class SelectiveStateUpdate(VllmImplementation):
                                                        "argument"),
                     unclamped_dt, _state_dtype_runs))
 
+    def kernel_modules(self) -> tuple:
+        # Its launch config comes from vLLM's tuned JSON files or a heuristic, not an autotuner.
+        return () if self.unavailable() else (self.release.ops["mamba_ssm"],)
+
     def null_block_id(self) -> int:
         return int(self.release.ops["mamba_ssm"].NULL_BLOCK_ID)
 
