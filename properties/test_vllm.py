@@ -303,6 +303,8 @@ def test_autotune_sweep_teeth_one_bad_config_fails(device):
 
 def test_final_states_written_into_state_cache_slots_are_the_returned_ones(device):
     rel = release()
+    if not {"final_states_out", "final_state_indices"} <= rel.params(rel.varlen):
+        pytest.skip(f"{rel.label}'s mamba_chunk_scan_combined_varlen writes no state cache")
     case = EVERYTHING.replace(regime=Regime(decay="mild"))
     tensors = materialize(case, device).native()
     p = pack(case, tensors)
@@ -322,6 +324,8 @@ def test_a_decode_row_at_the_null_block_is_skipped(device):
     """vLLM marks padded decode rows with state index null_block_id: the kernel must leave every slot and the
     other rows' outputs as they are without the padded row."""
     rel = release()
+    if "null_block_id" not in rel.params(rel.step):
+        pytest.skip(f"{rel.label}'s selective_state_update takes no null_block_id")
     fn, null = rel.step, int(rel.ops["mamba_ssm"].NULL_BLOCK_ID)
     h, p, n, b = 3, 4, 5, 3
     gen = torch.Generator().manual_seed(0)

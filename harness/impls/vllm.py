@@ -91,14 +91,19 @@ def run_varlen(rel: upstream_vllm.VllmRelease, case: Case, p: Pack, initial_stat
     m = p.metadata
     out = torch.empty(t["x"].shape, dtype=t["x"].dtype, device=device)
     h0 = p.initial_states if isinstance(initial_states, str) else initial_states
+    optional = dict(return_intermediate_states=return_intermediate_states, state_dtype=state_dtype,
+                    final_states_out=final_states_out, final_state_indices=final_state_indices)
+    accepted = rel.params(rel.varlen)
+    missing = sorted(k for k, v in optional.items() if k not in accepted and v not in (None, False))
+    if missing:
+        raise upstream_vllm.Unavailable(f"{rel.label}'s mamba_chunk_scan_combined_varlen has no {', '.join(missing)}")
     rel.forget_tuned_configs()
     returned = rel.varlen(t["x"], t["dt"], t["A"], t["B"], t["C"], case.chunk_size,
                           cu_seqlens=_int32(m.cu_seqlens, device), cu_chunk_seqlens=_int32(m.cu_chunk_seqlens, device),
                           last_chunk_indices=_int32(m.last_chunk_indices, device), seq_idx=_int32(m.seq_idx, device),
                           out=out, D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"), initial_states=h0,
                           dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
-                          return_intermediate_states=return_intermediate_states, state_dtype=state_dtype,
-                          final_states_out=final_states_out, final_state_indices=final_state_indices)
+                          **{k: v for k, v in optional.items() if k in accepted})
     return out, returned
 
 
@@ -182,8 +187,11 @@ class SelectiveStateUpdate(VllmImplementation):
 
     @property
     def capabilities(self) -> Capabilities:
+        unsupported = {"dt_limit"}
+        if self.unavailable() is None and "state_batch_indices" not in self.release.params(self.release.step):
+            unsupported.add("state_batch_indices")
         return self.declared(
-            entries=frozenset({"decode"}), unsupported=frozenset({"dt_limit"}),
+            entries=frozenset({"decode"}), unsupported=frozenset(unsupported),
             limits=(limit(lambda c: c.D == "none", "selective_state_update takes D as a required argument"),
                     limit(lambda c: not c.has_dt_bias, "selective_state_update takes dt_bias as a required "
                                                        "argument"),
@@ -193,7 +201,10 @@ class SelectiveStateUpdate(VllmImplementation):
         # Its launch config comes from vLLM's tuned JSON files or a heuristic, not an autotuner.
         return () if self.unavailable() else (self.release.ops["mamba_ssm"],)
 
-    def null_block_id(self) -> int:
+    def null_block_id(self) -> Optional[int]:
+        """The slot index that marks a padded row, where the release's kernel takes one (null_block_id)."""
+        if "null_block_id" not in self.release.params(self.release.step):
+            return None
         return int(self.release.ops["mamba_ssm"].NULL_BLOCK_ID)
 
     def forward(self, case, tensors, inputs, want_stages):
@@ -209,7 +220,9 @@ class SelectiveStateUpdate(VllmImplementation):
             slots = valid[index.long()]
             cache = torch.zeros(b + 1, h, p, n, dtype=rows.dtype, device=rows.device)
             cache[slots] = rows
-            kwargs = dict(state_batch_indices=slots.to(torch.int32), null_block_id=null)
+            kwargs = dict(state_batch_indices=slots.to(torch.int32))
+            if null is not None:
+                kwargs["null_block_id"] = null
         else:
             slots = None
             cache = rows.clone()
