@@ -442,3 +442,41 @@ def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_pat
     result = subprocess.run([sys.executable, str(repro[0])], cwd=REPO, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+# vLLM 0.33.0 (observed by ssdiff; no Case expresses an empty sequence, so it is no harness/known.py record): for a
+# request without new tokens whose computed tokens fill whole chunks, the chunk-metadata builder emits no chunk and
+# names the last chunk emitted before it as its last; the returned final states (states[last_chunk_indices]) then
+# give it its predecessor's state (or, first in the pack, the pack's last chunk's), while the fused state-cache
+# write (final_states_out) gives it its own initial state. vLLM's scheduler never sends an empty prefill.
+EMPTY_REQUEST_AFFECTED = ("0.33.0",)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_an_empty_request_gets_its_initial_state_back_from_both_output_modes(where, request, device):
+    rel = release()
+    if not {"final_states_out", "final_state_indices"} <= rel.params(rel.varlen):
+        pytest.skip(f"{rel.label}'s mamba_chunk_scan_combined_varlen writes no state cache")
+    if rel.version in EMPTY_REQUEST_AFFECTED:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+            f"{rel.label}: an empty request's returned final state is its predecessor's chunk state (the state-"
+            f"cache write gives its initial state)")))
+    case = Case(batch=1, seqlen=20, nheads=2, headdim=3, dstate=4, chunk_size=8, initial_states=True,
+                segments=((8, 12),), regime=Regime(decay="mild"), seed=4)
+    tensors = materialize(case, device).native()
+    seqs = serving.sequences(case)
+    empty = serving.Piece(0, 0, 0, computed=2 * case.chunk_size)     # whole chunks computed, none new
+    order = {"first": [empty, *seqs], "middle": [seqs[0], empty, seqs[1]], "last": [*seqs, empty]}[where]
+    at = order.index(empty)
+    h0 = serving.sequence_initial_states(case, tensors)
+    own = torch.full_like(h0[0], 5.0)
+    states = torch.stack([own if p is empty else h0[seqs.index(p)] for p in order])
+    p = serving.pack_pieces(case, tensors, order, states)
+    _, returned = run_varlen(rel, case, p)
+    cache = torch.zeros(len(order), *h0.shape[1:], device=device)
+    run_varlen(rel, case, p, final_states_out=cache,
+               final_state_indices=torch.arange(len(order), dtype=torch.int32, device=device))
+    assert torch.equal(cache[at], own), "the state-cache write did not give the empty request its initial state"
+    assert torch.equal(returned[at], own), (f"returned final state of the empty request ({where} in the pack, last "
+                                            f"chunk index {p.metadata.last_chunk_indices[at]}) is not its initial "
+                                            f"state")
