@@ -37,6 +37,17 @@ def cmd_list(args) -> int:
     else:
         out.print(f"[bold]mamba_ssm[/]: not usable here: {mamba}")
     out.print(f"[bold]fla[/]: {upstream.fla().label}" if fla is None else f"[bold]fla[/]: not usable here: {fla}")
+    from harness import upstream_vllm
+
+    served = upstream_vllm.vllm_problem()
+    if served is None:
+        rel = upstream_vllm.vllm()
+        out.print(f"[bold]vllm[/]: {rel.label} from {rel.location} (package __init__ not run; its "
+                  f"model_executor/layers/mamba/ops only); stood in: {', '.join(sorted(rel.standins))} "
+                  f"(no compiled extension, no platform machinery; harness/upstream_vllm.py)", highlight=False)
+    else:
+        out.print(f"[bold]vllm[/]: not usable here: {served}", highlight=False)
+    out.print(f"[bold]sglang[/]: not usable here: {upstream_vllm.sglang_problem()}", highlight=False)
 
     table = Table(title="ssdiff implementations")
     for col in ("name", "available here", "devices", "dtypes", "entry", "bwd", "stages"):

@@ -21,6 +21,9 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
   crash / hang / error become verdicts under --isolate and the run goes on.
 - `ConfigBug` / `TilingBug`: the toy kernel through an autotuned Triton kernel that is wrong in one config
   always (`config_bug`), or only where headdim crosses that config's block size of 32 (`tiling_bug`).
+- `chunked_prefill_without_state`: vLLM's real prefill kernel driven by a chunked-prefill runner that forgets
+  the carried state (harness.serving.ChunkedPrefill with carry=False); made on first use, so that importing
+  this module loads nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -420,3 +423,16 @@ class TilingBug(ToyKernel):
 
 
 tiling_bug = TilingBug()
+
+
+_lazy = {}
+
+
+def __getattr__(name: str):
+    if name == "chunked_prefill_without_state":
+        if name not in _lazy:
+            from harness import serving
+
+            _lazy[name] = serving.ChunkedPrefill(name=f"harness.doubles:{name}", carry=False)
+        return _lazy[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

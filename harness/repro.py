@@ -292,7 +292,7 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         side_code.append(code)
         needs += [n for n in need if n not in needs]
     side_code.append("SIDES = {" + ", ".join(f"{spec!r}: side_{i}" for i, spec in enumerate(sides)) + "}")
-    uses_triton = any(s.startswith(("mamba_ssm.", "ssdiff.", "fla.")) or ":" in s for s in sides)
+    uses_triton = any(s.startswith(("mamba_ssm.", "ssdiff.", "fla.", "vllm.")) or ":" in s for s in sides)
     interpreter = device == "cpu" and runtime.interpreted() and uses_triton
     preamble = []
     if interpreter:

@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 PACKAGES = (("torch", "torch"), ("triton", "triton"), ("mamba-ssm", "mamba_ssm"), ("fla-core", "fla-core"),
-            ("numpy", "numpy"), ("hypothesis", "hypothesis"), ("ssdiff", "ssdiff"))
+            ("vllm", "vllm"), ("numpy", "numpy"), ("hypothesis", "hypothesis"), ("ssdiff", "ssdiff"))
 EXTENSIONS = ("causal_conv1d", "selective_scan_cuda")
 
 
@@ -45,6 +45,14 @@ def environment(device: Optional[str] = None) -> dict:
     else:
         device_words = f"{device_words}: {platform.processor() or platform.machine()}"
     stand_ins = {name: standins.NOTES[name] for name in EXTENSIONS if not _importable(name)}
+    if "vllm.model_executor.layers.mamba.ops.ssd_combined" in sys.modules:
+        # vLLM's ops were loaded by harness.upstream_vllm in this process (perhaps from an extraction with no
+        # distribution metadata): its release and module stand-ins are what ran.
+        from harness import upstream_vllm
+
+        rel = upstream_vllm.vllm()
+        versions["vllm"] = rel.version
+        stand_ins.update({name: upstream_vllm.STANDIN_NOTES[name] for name in sorted(rel.standins)})
     return {"versions": versions, "device": device_words, "runtime": runtime.describe(),
             "stand_ins": stand_ins, "platform": platform.platform(), "executable": sys.executable}
 
