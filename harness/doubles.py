@@ -8,7 +8,9 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
   states), exposing every stage of the pipeline. With ``bug=`` one planted mistake:
     "group_index"   chunk states take B from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``;
     "no_reset"      the state passed between chunks does not reset where seq_idx changes;
-    "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one.
+    "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one;
+    "row_leak"      every row's y but the first gets 2^-10 of the first row's (rows share a buffer);
+    "drop_initial_states"  the initial states are ignored (every row starts from zero).
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
 - `LowPrecisionOracle`: one of the float64 oracles' math run in float32, results in the dtypes a kernel
@@ -45,7 +47,7 @@ from harness.inputs import Inputs, torch_dtype
 from harness.oracle.chunked import process_dt
 from harness.oracle.mixer import conv_vectorized, norm_vectorized
 
-BUGS = (None, "group_index", "no_reset", "partial_mask")
+BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states")
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
@@ -149,7 +151,10 @@ class ToyKernel(_Float32Implementation):
         y, final, stages = toy_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=case.chunk_size,
                                     D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"),
                                     dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
-                                    initial_states=t.get("initial_states"), seq_idx=inputs.seq_idx, bug=self.bug)
+                                    initial_states=None if self.bug == "drop_initial_states" else
+                                    t.get("initial_states"), seq_idx=inputs.seq_idx, bug=self.bug)
+        if self.bug == "row_leak" and y.shape[0] > 1:
+            y = torch.cat([y[:1], y[1:] + 2.0 ** -10 * y[:1]])
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = final
@@ -290,6 +295,8 @@ healthy = ToyKernel()
 group_bug = ToyKernel("group_index")
 reset_bug = ToyKernel("no_reset")
 mask_bug = ToyKernel("partial_mask")
+row_leak_bug = ToyKernel("row_leak")
+initial_states_bug = ToyKernel("drop_initial_states")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 chunked_fp32 = LowPrecisionOracle("ref.chunked")

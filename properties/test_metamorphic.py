@@ -1,0 +1,142 @@
+"""Metamorphic properties (harness/metamorphic.py): what one call cannot show, compared with no oracle in the
+comparison. A prefill split in two with the first part's final state carried equals one prefill; a prefill of
+T - k tokens then k decode steps equals a prefill of T; a batch row's output does not depend on the other rows
+(bit for bit under one config); the sequences of a packed row equal each sequence run alone. Each has teeth: a
+double with the matching planted violation fails it."""
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from harness import doubles, metamorphic, runtime
+from harness.case import Case, Regime
+from harness.examine import Examiner
+from harness.impls import get
+from harness.strategies import Bounds, cases, lengths_summing_to
+
+SCANS = ["mamba_ssm.chunk_scan_combined", "ssdiff.triton", "vllm.chunk_scan_combined_varlen"]
+STEPS = [("mamba_ssm.chunk_scan_combined", "mamba_ssm.selective_state_update"),
+         ("vllm.chunk_scan_combined_varlen", "vllm.selective_state_update")]
+SMALL = Bounds(max_batch=3, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
+# Every example runs the implementation several times: a tenth of the profile's examples (at least three).
+FEW = settings(max_examples=max(3, settings().max_examples // 10))
+
+
+def usable(name: str, device: str):
+    impl = get(name)
+    why = impl.unavailable()
+    if why:
+        pytest.skip(f"{name}: {why}")
+    return impl
+
+
+def dtypes_of(impl) -> tuple:
+    return tuple(d for d in runtime.runnable_dtypes() if d in impl.capabilities.dtypes)
+
+
+def holds(relation_fn, *args, **kw):
+    """The relation holds, or the case is outside what it (or an implementation) takes: Hypothesis moves on."""
+    try:
+        relation = relation_fn(*args, **kw)
+    except metamorphic.NotApplicable:
+        assume(False)
+    assert relation.ok, relation.message()
+    return relation
+
+
+def scan_case(data, impl, dtypes=None) -> Case:
+    """A forward chunk_scan case in the dtypes ``impl`` runs here (or ``dtypes``)."""
+    return data.draw(cases(entry="chunk_scan", dtypes=dtypes or dtypes_of(impl), bounds=SMALL, backward=False))
+
+
+def unsegmented(case: Case) -> Case:
+    return case.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False, return_final_states=True)
+
+
+# ---- the properties ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SCANS)
+@FEW
+@given(data=st.data())
+def test_a_prefill_split_in_two_with_the_state_carried_equals_one(name, device, data):
+    impl = usable(name, device)
+    case = unsegmented(scan_case(data, impl))
+    assume(case.seqlen >= 2)
+    cut = data.draw(st.integers(1, case.seqlen - 1), label="cut")
+    with Examiner([name], device) as examiner:
+        holds(metamorphic.split_prefill, examiner, impl, case, cut)
+
+
+@pytest.mark.parametrize("scan, step", STEPS)
+@FEW
+@given(data=st.data())
+def test_a_prefill_then_decode_steps_equals_one_prefill(scan, step, device, data):
+    impl, stepper = usable(scan, device), usable(step, device)
+    dtypes = tuple(d for d in dtypes_of(impl) if d in stepper.capabilities.dtypes)
+    case = unsegmented(scan_case(data, impl, dtypes))
+    steps = data.draw(st.integers(1, min(case.seqlen, 4)), label="steps")
+    with Examiner([scan], device) as examiner:
+        holds(metamorphic.prefill_then_steps, examiner, impl, stepper, case, steps)
+
+
+@pytest.mark.parametrize("name", SCANS)
+@FEW
+@given(data=st.data())
+def test_a_batch_row_does_not_depend_on_the_other_rows(name, device, data):
+    case = scan_case(data, usable(name, device))
+    assume(case.batch >= 2 and not case.varlen_states)
+    holds(metamorphic.rows_alone, get(name), case, device)
+
+
+@pytest.mark.parametrize("name", SCANS)
+@FEW
+@given(data=st.data())
+def test_the_sequences_of_a_packed_row_equal_each_run_alone(name, device, data):
+    case = scan_case(data, usable(name, device))
+    lengths = data.draw(lengths_summing_to(case.seqlen), label="lengths")
+    assume(len(lengths) >= 2)
+    with Examiner([name], device) as examiner:
+        holds(metamorphic.packed_alone, examiner, get(name),
+              case.replace(batch=1, segments=(lengths,), padding=None, varlen_states=False))
+
+
+# ---- teeth: a planted violation fails each -----------------------------------------------------------------
+
+TOOTH = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=4, initial_states=True,
+             regime=Regime(decay="mild"), seed=5)
+
+
+def test_split_prefill_fails_where_initial_states_are_ignored(device):
+    with Examiner(["harness.doubles:healthy"], device) as examiner:
+        assert metamorphic.split_prefill(examiner, doubles.healthy, TOOTH, 5).ok
+        broken = metamorphic.split_prefill(examiner, doubles.initial_states_bug, TOOTH, 5)
+    assert not broken.ok and broken.ratios["y"] > 1, broken.message()
+
+
+def test_prefill_then_steps_fails_where_the_step_does_not_decay(device):
+    with Examiner(["harness.doubles:healthy"], device) as examiner:
+        assert metamorphic.prefill_then_steps(examiner, doubles.healthy, doubles.step, TOOTH, 3).ok
+        broken = metamorphic.prefill_then_steps(examiner, doubles.healthy, doubles.step_no_decay_bug, TOOTH, 3)
+    assert not broken.ok and broken.ratios["final_states"] > 1, broken.message()
+
+
+def test_rows_alone_fails_where_rows_leak_into_each_other(device):
+    assert metamorphic.rows_alone(doubles.healthy, TOOTH, device).ok
+    broken = metamorphic.rows_alone(doubles.row_leak_bug, TOOTH, device)
+    assert not broken.ok and broken.ratios["y"] > 0 and broken.ratios["final_states"] == 0, broken.message()
+
+
+def test_packed_alone_fails_where_the_state_is_not_reset_between_sequences(device):
+    packed = TOOTH.replace(batch=1, segments=((5, 7),), initial_states=False)
+    with Examiner(["harness.doubles:healthy"], device) as examiner:
+        assert metamorphic.packed_alone(examiner, doubles.healthy, packed).ok
+        broken = metamorphic.packed_alone(examiner, doubles.reset_bug, packed)
+    assert not broken.ok and broken.ratios["y"] > 1, broken.message()
+
+
+def test_a_case_outside_a_relation_is_refused_with_the_reason(device):
+    with Examiner(["harness.doubles:healthy"], device) as examiner:
+        with pytest.raises(metamorphic.NotApplicable, match="without seq_idx"):
+            metamorphic.split_prefill(examiner, doubles.healthy, TOOTH.replace(segments=((6, 6), (12,))), 3)
+    with pytest.raises(metamorphic.NotApplicable, match="two rows"):
+        metamorphic.rows_alone(doubles.healthy, TOOTH.replace(batch=1), device)
