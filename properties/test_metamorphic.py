@@ -5,10 +5,10 @@ T - k tokens then k decode steps equals a prefill of T; a batch row's output doe
 double with the matching planted violation fails it."""
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
-from harness import doubles, metamorphic, runtime
+from harness import doubles, known, metamorphic, runtime
 from harness.case import Case, Regime
 from harness.examine import Examiner
 from harness.impls import get
@@ -34,12 +34,24 @@ def dtypes_of(impl) -> tuple:
     return tuple(d for d in runtime.runnable_dtypes() if d in impl.capabilities.dtypes)
 
 
-def holds(relation_fn, *args, **kw):
-    """The relation holds, or the case is outside what it (or an implementation) takes: Hypothesis moves on."""
+def holds(relation_fn, *args, known_defect=None, **kw):
+    """The relation holds, or the case is outside what it (or an implementation) takes: Hypothesis moves on.
+    Where a known defect's predicate covers a part of the relation (``known_defect``, a harness/known.py
+    record), the relation must break — the defect reproduced, reported as known — and the search goes on."""
     try:
         relation = relation_fn(*args, **kw)
     except metamorphic.NotApplicable:
         assume(False)
+    except Exception as err:
+        if known_defect is None:
+            raise
+        note(f"known defect {known_defect.id} reproduced: {type(err).__name__}: {err}")
+        return None
+    if known_defect is not None:
+        assert not relation.ok, (f"{known_defect.id}'s predicate covers this case, yet the relation holds: "
+                                 f"{relation.message()}")
+        note(f"known defect {known_defect.id} reproduced: {relation.message()}")
+        return relation
     assert relation.ok, relation.message()
     return relation
 
@@ -75,8 +87,9 @@ def test_a_prefill_then_decode_steps_equals_one_prefill(scan, step, device, data
     dtypes = tuple(d for d in dtypes_of(impl) if d in stepper.capabilities.dtypes)
     case = unsegmented(scan_case(data, impl, dtypes))
     steps = data.draw(st.integers(1, min(case.seqlen, 4)), label="steps")
+    defect = known.matching(step, metamorphic.decode_case(case, steps))
     with Examiner([scan], device) as examiner:
-        holds(metamorphic.prefill_then_steps, examiner, impl, stepper, case, steps)
+        holds(metamorphic.prefill_then_steps, examiner, impl, stepper, case, steps, known_defect=defect)
 
 
 @pytest.mark.parametrize("name", SCANS)
