@@ -24,6 +24,9 @@ those kernels compute:
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
 
+The layer entry is the mixer model with in_proj in front (`_layer`): torch's ``F.linear`` on the stored u and
+weight (TF32 only where torch allows it), zxbcdt stored in the case dtype, ``A = -exp(A_log)`` in float32.
+
 The decode entry has a model of its own (`step_scan`): the step recurrence of a selective-state-update
 kernel in float32, one token at a time, with that kernel's rounding points — the state loaded from and stored
 back in its dtype every step, dt processing (`_dt`), ``exp(A * dt)``, ``B * dt``, the update
@@ -419,6 +422,19 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     return y, final, stages
 
 
+def _layer(tensors, case: Case, seq_idx, rounding: Rounding):
+    """The whole layer: in_proj (torch's F.linear, its output stored in the case dtype: every layer hands zxbcdt
+    to its kernels in it), A = -exp(A_log) in float32, then the fused mixer model (`_mixer`)."""
+    u = tensors["u"]
+    zxbcdt = rounding.store(F.linear(rounding.linear_operand(u), rounding.linear_operand(tensors["in_proj_weight"]),
+                                     tensors.get("in_proj_bias")))
+    bias = tensors.get("conv1d_bias")
+    mixer_tensors = dict(tensors, zxbcdt=zxbcdt, A=rounding.keep(-torch.exp(tensors["A_log"])),
+                         conv1d_bias=bias if bias is not None else u.new_zeros(tensors["conv1d_weight"].shape[0]))
+    y, final, stages = _mixer(mixer_tensors, case, seq_idx, rounding)
+    return y, final, {"in_proj": zxbcdt, **stages}
+
+
 SAMPLES = 3
 
 
@@ -450,7 +466,8 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                 initial_states=leaves.get("initial_states"), seq_idx=inputs.seq_idx, want_varlen=case.varlen_states)
         else:
-            y, final, stages = _mixer(leaves, case, inputs.seq_idx, rounding)
+            model = _layer if case.entry == "layer" else _mixer
+            y, final, stages = model(leaves, case, inputs.seq_idx, rounding)
             varlen = None
         y = rounding.store(y)
         outputs = {"y": y}

@@ -102,8 +102,14 @@ FEATURES = (
     # the scan's D is optional; the mixer always takes one, per head or per channel
     Feature("D", "D", "D none", lambda c: c.entry in ("chunk_scan", "decode") and c.D != "none",
             lambda c: c.replace(D="none"), stage="skip"),
-    Feature("D_channel", "per-channel D", "D per head", lambda c: c.entry == "split_conv1d" and c.D == "channel",
+    Feature("D_channel", "per-channel D", "D per head",
+            lambda c: c.entry in ("split_conv1d", "layer") and c.D == "channel",
             lambda c: c.replace(D="head"), stage="skip"),
+    # the layer entry: biases of in_proj / out_proj and of the conv1d
+    Feature("bias", "in_proj and out_proj biases", "no in_proj / out_proj bias", lambda c: c.bias,
+            lambda c: c.replace(bias=False)),
+    Feature("conv_bias", "a conv1d bias", "no conv1d bias", lambda c: c.conv_bias and c.entry == "layer",
+            lambda c: c.replace(conv_bias=False), stage="conv"),
     # the decode entry: rows mapped to state slots, a half-precision state, more than one decode step
     Feature("state_batch_indices", "state_batch_indices (rows mapped to state slots)", "each row in its own slot",
             lambda c: c.state_batch_indices, lambda c: c.replace(state_batch_indices=False)),

@@ -1,0 +1,107 @@
+"""mamba_ssm's Mamba2 layer (mamba_ssm/modules/mamba2.py), both of its prefill paths (layer entry):
+
+    mamba_ssm.mamba2_mem_eff     use_mem_eff_path=True: in_proj, then mamba_split_conv1d_scan_combined (conv1d,
+                                 SSD, gated RMSNorm and out_proj fused)
+    mamba_ssm.mamba2_no_mem_eff  use_mem_eff_path=False: in_proj, causal_conv1d_fn, mamba_chunk_scan_combined,
+                                 the Triton gated RMSNorm (RMSNormGated), the SwiGLU branch in torch, out_proj
+
+Built with the case's configuration (d_model, d_state, d_conv, expand, headdim, d_ssm, ngroups, D_has_hdim,
+rmsnorm, norm_before_gate, dt_limit, bias, conv_bias, chunk_size) and driven with the case's weights
+(harness/impls/layer_loading.py); seq_idx goes to forward(). The module imports causal_conv1d (absent on a
+CPU): the float64-checked stand-in of harness/standins.py takes its place and the verdict says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from harness import upstream
+from harness.case import Case
+from harness.impls import register
+from harness.impls.base import Capabilities, limit
+from harness.impls.layer_loading import LayerImplementation, common_parameters
+from harness.impls.mamba_ssm import SCAN_STAGES, MambaImplementation, conv_channels_8, mixer_stages, padding_limits
+
+MODULE = "mamba_ssm.modules.mamba2"
+
+# Mamba2 builds its RMSNormGated with eps=1e-5 and takes no argument for it.
+fixed_eps = limit(lambda c: c.rmsnorm and c.rmsnorm_eps != 1e-5,
+                  "Mamba2 fixes the gated RMSNorm's eps at 1e-5 (no argument for it)")
+
+
+def mamba2_module():
+    """mamba_ssm.modules.mamba2 with the stand-ins in place of an absent causal_conv1d; (module, stood in)."""
+    upstream.mamba_ssm()
+    module = importlib.import_module(MODULE)
+    return module, upstream._install_conv_standins(module) or module.causal_conv1d_fn.__module__ == "harness.standins"
+
+
+class MambaLayer(MambaImplementation, LayerImplementation):
+    mem_eff = True
+    uses = ("causal_conv1d",)
+
+    def __init__(self):
+        MambaImplementation.__init__(self)
+        LayerImplementation.__init__(self)
+
+    def unavailable(self) -> Optional[str]:
+        problem = super().unavailable()
+        if problem:
+            return problem
+        try:
+            mamba2_module()
+        except Exception as err:          # the module imports huggingface_hub and the distributed helpers
+            return f"{self.release.label}: {MODULE} does not import here ({upstream.one_line(err)})"
+        return None
+
+    def detect(self, rel) -> Capabilities:
+        stages = ("in_proj", "conv") + SCAN_STAGES[:-2] + ("skip",) + (() if self.mem_eff else ("normed",))
+        return self.declared(entries=frozenset({"layer"}), limits=(conv_channels_8, fixed_eps) + padding_limits(rel),
+                             stages=stages)
+
+    def declared(self, **overrides) -> Capabilities:
+        overrides.setdefault("entries", frozenset({"layer"}))
+        return super().declared(**overrides)
+
+    def build(self, case: Case):
+        module, _ = mamba2_module()
+        return module.Mamba2(d_model=case.d_model, d_state=case.dstate, d_conv=case.conv_width, expand=case.expand,
+                             headdim=case.headdim, d_ssm=case.dim, ngroups=case.ngroups, D_has_hdim=case.D == "channel",
+                             rmsnorm=case.rmsnorm, norm_before_gate=case.norm_before_gate,
+                             dt_limit=case.dt_limit_or_default, bias=case.bias, conv_bias=case.conv_bias,
+                             chunk_size=case.chunk_size, use_mem_eff_path=self.mem_eff)
+
+    def parameters(self, case: Case, t: dict) -> dict:
+        return common_parameters(case, t)
+
+    def call(self, case, runner, u, inputs):
+        return runner(u, seq_idx=inputs.seq_idx)
+
+    def kernel_stages(self, case, zxbcdt, t, inputs) -> dict:
+        weights = dict(zxbcdt=zxbcdt, conv1d_weight=t["conv1d_weight"], conv1d_bias=t.get("conv1d_bias"),
+                       A=-torch.exp(t["A_log"].detach().float()), D=t["D"], dt_bias=t["dt_bias"])
+        return mixer_stages(self.release, case, weights, inputs)
+
+    def kernel_modules(self) -> tuple:
+        return super().kernel_modules()
+
+
+class MambaLayerMemEff(MambaLayer):
+    name = "mamba_ssm.mamba2_mem_eff"
+    description = ("mamba_ssm Mamba2 layer, use_mem_eff_path=True (in_proj + mamba_split_conv1d_scan_combined; "
+                   "fwd + bwd)")
+    mem_eff = True
+
+
+class MambaLayerNoMemEff(MambaLayer):
+    name = "mamba_ssm.mamba2_no_mem_eff"
+    description = ("mamba_ssm Mamba2 layer, use_mem_eff_path=False (causal_conv1d, mamba_chunk_scan_combined, "
+                   "RMSNormGated, out_proj; fwd + bwd)")
+    mem_eff = False
+
+
+for _impl in (MambaLayerMemEff(), MambaLayerNoMemEff()):
+    register(_impl)
