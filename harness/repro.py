@@ -27,7 +27,7 @@ from harness import inputs as inputs_module
 from harness import runtime, standins
 from harness.axes import axes_of
 from harness.case import Case
-from harness.inputs import CHUNK_SCAN_DIFFERENTIABLE, SPLIT_CONV1D_DIFFERENTIABLE, Inputs
+from harness.inputs import Inputs, differentiable_names
 from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, storage_dtype
 
 TEMPLATE = Path(__file__).parent / "templates" / "repro.py.j2"
@@ -306,7 +306,11 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         env_packages["mamba-ssm"] = _version("mamba-ssm")
     if any(s.startswith("fla.") for s in sides):
         env_packages["fla-core"] = _version("fla-core")
-    differentiable = list(CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE)
+    if any(s.startswith("fla.mamba2") for s in sides):
+        env_packages["flash-linear-attention"] = _version("flash-linear-attention")
+    if any(s.startswith("transformers.") for s in sides):
+        env_packages["transformers"] = _version("transformers")
+    differentiable = list(differentiable_names(case))
     template = jinja2.Template(TEMPLATE.read_text(encoding="utf-8"), keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
     text = template.render(
