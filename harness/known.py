@@ -244,6 +244,34 @@ DEFECTS += (
         example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, has_dt_bias=False)),
 )
 
+# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; earlier ones
+# not): each layer's plain-torch path groups heads differently from mamba_ssm's Mamba2 and kernels.
+LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
+
+DEFECTS += (
+    KnownDefect(
+        id="fla-mamba2-torch-forward-tiles-groups",
+        implementations=("fla.mamba2_torch",), package="flash-linear-attention", affected=("0.6.0", None),
+        applies=lambda c: c.entry == "layer" and 1 < c.ngroups < c.nheads,
+        statement="fla's Mamba2.torch_forward (what forward() runs off a GPU) expands B and C from n_groups to "
+                  "num_heads with `repeat`, which tiles the groups (head h reads group h % n_groups), instead of "
+                  "`repeat_interleave` (head h reads group h // (num_heads // n_groups), as mamba_chunk_scan_combined "
+                  "on its kernel path does): its output is wrong whenever 1 < n_groups < num_heads",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=4, nheads=4, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=8)),
+    KnownDefect(
+        id="transformers-mamba2-norm-ignores-groups",
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        applies=lambda c: c.entry == "layer" and c.ngroups > 1 and c.rmsnorm,
+        statement="transformers' Mamba2Mixer without hub kernels normalizes its gated RMSNorm (MambaRMSNormGated) "
+                  "over all intermediate_size channels instead of per group of intermediate_size // n_groups, as "
+                  "mamba_ssm's Mamba2 does and as the fused kernel the same mixer calls on its kernel path "
+                  "(ngroups=n_groups) does: its output is wrong whenever n_groups > 1",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=4, nheads=2, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=4,
+                     rmsnorm=True)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
 
 
@@ -260,7 +288,11 @@ def installed_version(package: str) -> Optional[str]:
         return upstream.mamba_ssm().version if upstream.mamba_ssm_problem() is None else None
     if package == "fla-core":
         return upstream.fla().version if upstream.fla_problem() is None else None
-    return None
+    from importlib import metadata
+    try:                                  # the layers' packages: their installed distribution
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def affecting(impl: str) -> list:

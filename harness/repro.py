@@ -212,9 +212,75 @@ STEP_SIDE = '''    """mamba_ssm.selective_state_update: one call per decoded tok
     return out'''
 
 
+LAYER_METHOD = '''
+class Method(torch.nn.Module):
+    """layer.<method>(...) as a module's forward: torch.func.functional_call runs it with the case's weights in
+    place of the layer's own parameters, so the gradients reach the case's tensors."""
+
+    def __init__(self, layer, method):
+        super().__init__()
+        self.inner, self.method = layer, method
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.inner, self.method)(*args, **kwargs)
+'''
+
+LAYER_PACKAGES = {"mamba_ssm.": ("mamba-ssm", "einops", "huggingface_hub"),
+                  "fla.": ("flash-linear-attention", "fla-core", "transformers"), "transformers.": ("transformers",)}
+
+
+def _layer_implementation(spec: str):
+    """The layer adapter named ``spec`` (harness/impls/layer_loading.py), or None."""
+    from harness.impls import UnknownImplementation, get
+    from harness.impls.layer_loading import LayerImplementation
+
+    if ":" in spec:
+        return None
+    try:
+        impl = get(spec)
+    except UnknownImplementation:
+        return None
+    return impl if isinstance(impl, LayerImplementation) else None
+
+
+def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
+    """A layer built as its adapter builds it (its Construction), run with the case's weights."""
+    from harness.impls.layer_loading import PARAMETER_SOURCES
+
+    how = impl.construction(case)
+    shaped = {"conv1d_weight": ".unsqueeze(1)", "D": ".reshape(-1)"}
+    drawn = inputs_module.draw(case)[0]
+    params = ", ".join(f'"inner.{name}": t["{key}"]{shaped.get(key, "")}' for name, key in PARAMETER_SOURCES
+                       if key in drawn)
+    literal = lambda d: repr(d).replace(", inf)", ", math.inf)")
+    if how.config_class:
+        build = (f"layer = module.{how.factory}(module.{how.config_class}(**{literal(how.config)}), "
+                 f"**{literal(how.kwargs)})")
+    else:
+        build = f"layer = module.{how.factory}(**{literal(how.kwargs)})"
+    lines = [f"def {fn}(t, seq):",
+             f'    """{spec}: {impl.description}.\n    Built with the case\'s configuration and run with the case\'s '
+             f'weights (its own parameters unused)."""',
+             "    import importlib",
+             f'    module = importlib.import_module("{how.module}")']
+    if spec.startswith("mamba_ssm."):
+        lines.append("    if module.causal_conv1d_fn is None:                 # STAND-IN where causal_conv1d is absent")
+        lines.append("        module.causal_conv1d_fn = causal_conv1d_fn")
+    lines += [f"    {build}", f"    layer.train({how.train})",
+              f"    weights = {{{params}}}",
+              f'    y = torch.func.functional_call(Method(layer, "{how.method}"), weights, (t["u"],)'
+              + (', {"seq_idx": seq})' if how.seq_idx else ")"),
+              '    return {"y": y[0] if isinstance(y, tuple) else y}']
+    needs = next(v for k, v in LAYER_PACKAGES.items() if spec.startswith(k))
+    return "\n".join(lines), needs
+
+
 def _side_code(number: int, spec: str, case: Case) -> tuple:
     """(code defining side_<number>(t, seq), the packages it needs)"""
     fn = f"side_{number}"
+    layer = _layer_implementation(spec) if case.entry == "layer" else None
+    if layer is not None:
+        return _layer_side(fn, spec, layer, case)
     if spec in MAMBA_FUNCTIONS:
         name, kind = MAMBA_FUNCTIONS[spec]
         if kind in ("combined", "plain"):
@@ -295,9 +361,15 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
     if interpreter:
         preamble.append(INTERPRETER_PATCHES)
         needs.append("numpy (the Triton interpreter imports it)")
-    if any(s in MAMBA_FUNCTIONS or s == STEP for s in sides):
+    layers = [s for s in sides if case.entry == "layer" and _layer_implementation(s) is not None]
+    # mamba_ssm's layer, and fla's kernel paths, import mamba_ssm's Triton ops: loadable only through the loader
+    needs_mamba = [s for s in sides if s in MAMBA_FUNCTIONS or s == STEP
+                   or (s in layers and (s.startswith("mamba_ssm.") or s in ("fla.mamba2_triton", "fla.mamba2_fused")))]
+    if needs_mamba:
         preamble.append(_standins_source())
         preamble.append(MAMBA_LOADER)
+    if layers:
+        preamble.append(LAYER_METHOD)
     if case.varlen_states:
         preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
                         f"device=DEVICE)")

@@ -177,7 +177,7 @@ def test_a_planted_layer_bug_minimizes_to_a_small_case_whose_repro_diverges(tmp_
     from harness.minimize import minimize_outcome
 
     spec = "harness.doubles:layer_norm_bug"
-    start = Case(**LAYER, batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4, d_model=6,
+    start = Case(**LAYER, batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4, d_model=7,
                  d_nonssm=2, rmsnorm=True, bias=True, pass_="backward")
     with Examiner([spec], device) as examiner:
         outcome = examiner.examine(start)

@@ -26,7 +26,7 @@ from harness.case import Case
 from harness.features import NEEDS_SEQ_IDX
 from harness.impls import register
 from harness.impls.base import Capabilities
-from harness.impls.layer_loading import LayerImplementation, common_parameters
+from harness.impls.layer_loading import Construction, LayerImplementation
 from harness.impls.mamba_ssm import conv_channels_8, mixer_stages
 
 MODULE = "fla.layers.mamba2"
@@ -101,23 +101,20 @@ class FlaLayer(LayerImplementation):
         return tuple(m for name, m in sorted(sys.modules.items())
                      if name.startswith(("mamba_ssm.ops.triton.", "fla.modules.conv")))
 
+    def construction(self, case: Case) -> Construction:
+        return Construction(MODULE, "Mamba2", dict(
+            num_heads=case.nheads, head_dim=case.headdim, hidden_size=case.d_model, state_size=case.dstate,
+            expand=case.expand, n_groups=case.ngroups, conv_kernel=case.conv_width, use_conv_bias=case.conv_bias,
+            hidden_act="silu", D_has_hdim=case.D == "channel", rmsnorm=case.rmsnorm,
+            norm_before_gate=case.norm_before_gate, dt_limit=case.dt_limit_or_default, use_bias=case.bias,
+            norm_eps=case.rmsnorm_eps, chunk_size=case.chunk_size, backend="triton"),
+            method=self.method, train=self.path == "fused")
+
     def build(self, case: Case):
-        module = fla_mamba2_module()
+        fla_mamba2_module()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return module.Mamba2(num_heads=case.nheads, head_dim=case.headdim, hidden_size=case.d_model,
-                                 state_size=case.dstate, expand=case.expand, n_groups=case.ngroups,
-                                 conv_kernel=case.conv_width, use_conv_bias=case.conv_bias, hidden_act="silu",
-                                 D_has_hdim=case.D == "channel", rmsnorm=case.rmsnorm,
-                                 norm_before_gate=case.norm_before_gate, dt_limit=case.dt_limit_or_default,
-                                 use_bias=case.bias, norm_eps=case.rmsnorm_eps, chunk_size=case.chunk_size,
-                                 backend="triton")
-
-    def prepare(self, module, case):
-        module.train(self.path == "fused")
-
-    def parameters(self, case: Case, t: dict) -> dict:
-        return common_parameters(case, t)
+            return super().build(case)
 
     def kernel_stages(self, case, zxbcdt, t, inputs) -> dict:
         if self.path != "fused":

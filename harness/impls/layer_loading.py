@@ -2,8 +2,8 @@
 adapters (harness/impls/mamba_ssm_layer.py, fla_layer.py, transformers_layer.py).
 
 The weights are the case's (harness/inputs.py draws them once); each adapter only says how its module is built
-from the case's configuration (`build`), which parameter holds which of the case's tensors (`parameters`) and
-which method runs it (`call`). The module's own parameters are never used: ``torch.func.functional_call``
+from the case's configuration and which method runs it (`construction`, data that repro.py writes out too) and
+which parameter holds which of the case's tensors (`parameters`). The module's own parameters are never used: ``torch.func.functional_call``
 runs the method with the case's tensors in their place, so every implementation computes with the same
 numbers and the gradients land on the case's leaves (every parameter's, and the input's).
 
@@ -14,6 +14,8 @@ submodules; adapters add what their kernels expose.
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -23,6 +25,29 @@ from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.impls.base import Implementation
 from harness.inputs import Inputs
+
+
+@dataclass(frozen=True)
+class Construction:
+    """How a layer module is built and called, as data (repro.py writes the same call out): ``module``.``factory``
+    (**kwargs), or with ``config`` ``factory(config_class(**config), **kwargs)``; then ``method`` in training mode
+    when ``train``, passed seq_idx when ``seq_idx``."""
+
+    module: str
+    factory: str
+    kwargs: dict
+    method: str = "forward"
+    train: bool = False
+    config_class: Optional[str] = None
+    config: dict = field(default_factory=dict)
+    seq_idx: bool = False
+
+    def build(self) -> nn.Module:
+        module = importlib.import_module(self.module)
+        factory = getattr(module, self.factory)
+        if self.config_class:
+            return factory(getattr(module, self.config_class)(**self.config), **self.kwargs)
+        return factory(**self.kwargs)
 
 
 class _Method(nn.Module):
@@ -45,29 +70,23 @@ def layer_config_key(case: Case) -> tuple:
 
 
 class LayerImplementation(Implementation):
-    """A Mamba-2 layer module driven with the case's weights. Subclasses write `build`, `parameters`, `call`."""
-
-    method = "forward"
+    """A Mamba-2 layer module driven with the case's weights. Subclasses write `construction` (and may change
+    `parameters`, `kernel_stages`)."""
 
     def __init__(self):
         self._modules: dict = {}
 
+    def construction(self, case: Case) -> Construction:
+        """How the module configured like ``case`` is built and called."""
+        raise NotImplementedError
+
     def build(self, case: Case) -> nn.Module:
         """A fresh module configured like ``case`` (on the CPU; its parameters are replaced at every call)."""
-        raise NotImplementedError
+        return self.construction(case).build()
 
     def parameters(self, case: Case, t: dict) -> dict:
         """The module's parameter names -> the case's tensors (views allowed: gradients reach the leaves)."""
-        raise NotImplementedError
-
-    def call(self, case: Case, runner, u: torch.Tensor, inputs: Inputs) -> torch.Tensor:
-        """Run ``runner`` (the module's method under functional_call) on u; return y (b, L, d_model)."""
-        out = runner(u)
-        return out[0] if isinstance(out, tuple) else out
-
-    def prepare(self, module: nn.Module, case: Case) -> None:
-        """Put ``module`` in the mode this adapter drives (train / eval), before each call."""
-        module.eval()
+        return common_parameters(case, t)
 
     def kernel_stages(self, case: Case, zxbcdt: torch.Tensor, t: dict, inputs: Inputs) -> dict:
         """Stages of the layer's kernels, computed from its own in_proj output (oracle layouts); none here."""
@@ -83,8 +102,9 @@ class LayerImplementation(Implementation):
 
     def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
         module = self.module(case)
-        self.prepare(module, case)
-        wrapper = _Method(module, self.method)
+        how = self.construction(case)
+        module.train(how.train)
+        wrapper = _Method(module, how.method)
         params = {f"inner.{name}": value for name, value in self.parameters(case, tensors).items()}
         missing = sorted({f"inner.{n}" for n, _ in module.named_parameters()} - set(params))
         if missing:
@@ -98,7 +118,9 @@ class LayerImplementation(Implementation):
                 hooks.append(module.out_proj.register_forward_pre_hook(
                     lambda mod, args: recorded.__setitem__("normed", args[0].detach())))
         try:
-            y = self.call(case, lambda *a, **k: torch.func.functional_call(wrapper, params, a, k), tensors["u"], inputs)
+            kwargs = dict(seq_idx=inputs.seq_idx) if how.seq_idx else {}
+            y = torch.func.functional_call(wrapper, params, (tensors["u"],), kwargs)
+            y = y[0] if isinstance(y, tuple) else y
         finally:
             for hook in hooks:
                 hook.remove()
@@ -114,16 +136,16 @@ class LayerImplementation(Implementation):
         return []
 
 
-def common_parameters(case: Case, t: dict, D_flat: bool = True) -> dict:
-    """The parameter names the three layers share (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
-    out = {"in_proj.weight": t["in_proj_weight"], "conv1d.weight": t["conv1d_weight"].unsqueeze(1),
-           "dt_bias": t["dt_bias"], "A_log": t["A_log"], "D": t["D"].reshape(-1) if D_flat else t["D"],
-           "out_proj.weight": t["outproj_weight"]}
-    for name, key in (("in_proj.bias", "in_proj_bias"), ("conv1d.bias", "conv1d_bias"), ("norm.weight", "rmsnorm_weight"),
-                      ("out_proj.bias", "outproj_bias")):
-        if key in t:
-            out[name] = t[key]
-    return out
+def common_parameters(case: Case, t: dict) -> dict:
+    """The parameter names the three layers share (PARAMETER_SOURCES) -> the case's tensors: conv1d's weight as
+    (channels, 1, width), D flattened ((h,) or D_has_hdim's (h * p,))."""
+    shaped = {"conv1d_weight": lambda w: w.unsqueeze(1), "D": lambda d: d.reshape(-1)}
+    return {name: shaped.get(key, lambda v: v)(t[key]) for name, key in PARAMETER_SOURCES if key in t}
 
 
-__all__ = ["LayerImplementation", "common_parameters", "layer_config_key"]
+PARAMETER_SOURCES = (("in_proj.weight", "in_proj_weight"), ("in_proj.bias", "in_proj_bias"),
+                     ("conv1d.weight", "conv1d_weight"), ("conv1d.bias", "conv1d_bias"), ("dt_bias", "dt_bias"),
+                     ("A_log", "A_log"), ("D", "D"), ("norm.weight", "rmsnorm_weight"),
+                     ("out_proj.weight", "outproj_weight"), ("out_proj.bias", "outproj_bias"))
+
+__all__ = ["Construction", "LayerImplementation", "common_parameters", "layer_config_key", "PARAMETER_SOURCES"]

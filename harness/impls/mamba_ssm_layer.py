@@ -22,7 +22,7 @@ from harness import upstream
 from harness.case import Case
 from harness.impls import register
 from harness.impls.base import Capabilities, limit
-from harness.impls.layer_loading import LayerImplementation, common_parameters
+from harness.impls.layer_loading import Construction, LayerImplementation
 from harness.impls.mamba_ssm import SCAN_STAGES, MambaImplementation, conv_channels_8, mixer_stages, padding_limits
 
 MODULE = "mamba_ssm.modules.mamba2"
@@ -33,10 +33,11 @@ fixed_eps = limit(lambda c: c.rmsnorm and c.rmsnorm_eps != 1e-5,
 
 
 def mamba2_module():
-    """mamba_ssm.modules.mamba2 with the stand-ins in place of an absent causal_conv1d; (module, stood in)."""
+    """mamba_ssm.modules.mamba2, with the stand-ins in place of an absent causal_conv1d."""
     upstream.mamba_ssm()
     module = importlib.import_module(MODULE)
-    return module, upstream._install_conv_standins(module) or module.causal_conv1d_fn.__module__ == "harness.standins"
+    upstream._install_conv_standins(module)
+    return module
 
 
 class MambaLayer(MambaImplementation, LayerImplementation):
@@ -66,19 +67,17 @@ class MambaLayer(MambaImplementation, LayerImplementation):
         overrides.setdefault("entries", frozenset({"layer"}))
         return super().declared(**overrides)
 
+    def construction(self, case: Case) -> Construction:
+        return Construction(MODULE, "Mamba2", dict(
+            d_model=case.d_model, d_state=case.dstate, d_conv=case.conv_width, expand=case.expand,
+            headdim=case.headdim, d_ssm=case.dim, ngroups=case.ngroups, D_has_hdim=case.D == "channel",
+            rmsnorm=case.rmsnorm, norm_before_gate=case.norm_before_gate, dt_limit=case.dt_limit_or_default,
+            bias=case.bias, conv_bias=case.conv_bias, chunk_size=case.chunk_size, use_mem_eff_path=self.mem_eff),
+            seq_idx=True)
+
     def build(self, case: Case):
-        module, _ = mamba2_module()
-        return module.Mamba2(d_model=case.d_model, d_state=case.dstate, d_conv=case.conv_width, expand=case.expand,
-                             headdim=case.headdim, d_ssm=case.dim, ngroups=case.ngroups, D_has_hdim=case.D == "channel",
-                             rmsnorm=case.rmsnorm, norm_before_gate=case.norm_before_gate,
-                             dt_limit=case.dt_limit_or_default, bias=case.bias, conv_bias=case.conv_bias,
-                             chunk_size=case.chunk_size, use_mem_eff_path=self.mem_eff)
-
-    def parameters(self, case: Case, t: dict) -> dict:
-        return common_parameters(case, t)
-
-    def call(self, case, runner, u, inputs):
-        return runner(u, seq_idx=inputs.seq_idx)
+        mamba2_module()
+        return super().build(case)
 
     def kernel_stages(self, case, zxbcdt, t, inputs) -> dict:
         weights = dict(zxbcdt=zxbcdt, conv1d_weight=t["conv1d_weight"], conv1d_bias=t.get("conv1d_bias"),

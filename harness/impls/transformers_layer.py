@@ -22,7 +22,7 @@ from harness.case import Case
 from harness.features import NEEDS_SEQ_IDX
 from harness.impls import register
 from harness.impls.base import Capabilities, limit
-from harness.impls.layer_loading import LayerImplementation, common_parameters
+from harness.impls.layer_loading import Construction, LayerImplementation
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
 
@@ -55,17 +55,12 @@ class Mamba2Mixer(LayerImplementation):
             return f"{MODULE} does not import here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
         return None
 
-    def build(self, case: Case):
-        module = importlib.import_module(MODULE)
-        config = module.Mamba2Config(num_heads=case.nheads, head_dim=case.headdim, hidden_size=case.d_model,
-                                     state_size=case.dstate, expand=case.expand, n_groups=case.ngroups,
-                                     conv_kernel=case.conv_width, use_conv_bias=case.conv_bias, use_bias=case.bias,
-                                     chunk_size=case.chunk_size, time_step_limit=case.dt_limit_or_default,
-                                     layer_norm_epsilon=case.rmsnorm_eps, hidden_act="silu", num_hidden_layers=1)
-        return module.Mamba2Mixer(config, layer_idx=0)
-
-    def parameters(self, case: Case, t: dict) -> dict:
-        return common_parameters(case, t)
+    def construction(self, case: Case) -> Construction:
+        return Construction(MODULE, "Mamba2Mixer", dict(layer_idx=0), config_class="Mamba2Config", config=dict(
+            num_heads=case.nheads, head_dim=case.headdim, hidden_size=case.d_model, state_size=case.dstate,
+            expand=case.expand, n_groups=case.ngroups, conv_kernel=case.conv_width, use_conv_bias=case.conv_bias,
+            use_bias=case.bias, chunk_size=case.chunk_size, time_step_limit=case.dt_limit_or_default,
+            layer_norm_epsilon=case.rmsnorm_eps, hidden_act="silu", num_hidden_layers=1))
 
     def notes(self) -> list:
         return [f"transformers {_version()} (torch fallbacks: no hub kernel installed)"]
