@@ -101,11 +101,15 @@ DEFECTS = (
                      pass_="backward", final_state_grad=True, seed=3)),
     KnownDefect(
         id="mamba-swiglu-backward-without-out-proj",
-        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.0.0", None),
-        applies=lambda c: c.backward and c.d_nonssm > 0 and (c.out_dim is None or not c.rmsnorm),
+        # mamba_ssm's Mamba2 layer reaches it on its mem-eff path (always with out_proj; d_ssm < d_inner, no rmsnorm)
+        implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff"), package="mamba-ssm",
+        affected=("2.0.0", None),
+        applies=lambda c: c.backward and c.d_nonssm > 0 and ((c.out_dim is None and c.entry != "layer")
+                                                            or not c.rmsnorm),
         statement="mamba_split_conv1d_scan_combined's backward fails with d_nonssm > 0 unless both rmsnorm and "
                   "out_proj are given (no out_proj: UnboundLocalError on out0_recompute; out_proj without rmsnorm: "
-                  "d(outproj_weight) misses the SwiGLU columns)",
+                  "d(outproj_weight) misses the SwiGLU columns); Mamba2 with use_mem_eff_path, d_ssm < d_inner "
+                  "and rmsnorm=False inherits it",
         status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
                      pass_="backward")),
@@ -120,7 +124,9 @@ DEFECTS = (
                      rmsnorm=True, out_dim=4, pass_="backward", seed=5)),
     KnownDefect(
         id="mamba-softplus-backward-nan-above-20",
-        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
+        # the layers whose training path is this kernel (mamba_ssm's Mamba2 mem-eff path, fla's fused path) inherit it
+        implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff", "fla.mamba2_fused"),
+        package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
         applies=lambda c: c.backward and c.dt_softplus and c.regime.dt_large and c.regime.decay in ("typical", "strong"),
         statement="mamba_split_conv1d_scan_combined's backward returns NaN gradients of dt (zxbcdt's dt channels), "
                   "dt_bias and A where dt + dt_bias passes the softplus threshold of 20, with typical or strong decay",
