@@ -391,6 +391,26 @@ def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L,
     return torch.stack(states) if states else None
 
 
+def _mixer_scan(case: Case, rounding: Rounding, x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx):
+    """The mixer's scan: the chunked model, or for a decoded layer (``layer_steps``) the chunked model over the
+    prefill and the step model (`step_scan`) over the decoded tokens from its final state, held in the state
+    dtype of the layer's cache (its in_proj's dtype: the case dtype). Returns (y, final, stages); a decoded
+    layer exposes no SSD stages (its steps have none)."""
+    kw = dict(rounding=rounding, dt_bias=dt_bias, dt_softplus=True, dt_limit=case.dt_limit_or_default)
+    if not (case.entry == "layer" and case.layer_steps):
+        y, final, _, stages = scan(x, dt, A, B, C, chunk_size=case.chunk_size, D=D, z=z, initial_states=initial_states,
+                                   seq_idx=seq_idx, **kw)
+        return y, final, stages
+    P = case.seqlen - case.layer_steps
+    cut = lambda t, a, b: t[:, a:b] if t is not None else None
+    y0, state, _, _ = scan(cut(x, 0, P), cut(dt, 0, P), A, cut(B, 0, P), cut(C, 0, P), chunk_size=case.chunk_size,
+                           D=D, z=cut(z, 0, P), **kw)
+    state = rounding._apply(state, case.dtype)              # the cache holds the state in the case dtype
+    y1, final = step_scan(cut(x, P, None), cut(dt, P, None), A, cut(B, P, None), cut(C, P, None), state,
+                          state_precision=case.dtype, D=D, z=cut(z, P, None), **kw)
+    return torch.cat([y0, y1], dim=1), final, {}
+
+
 def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     """The fused mixer: conv1d (stored in the case dtype) -> scan -> gated RMSNorm (stored) -> out_proj."""
     h, p, g, n = case.nheads, case.headdim, case.ngroups, case.dstate
@@ -402,10 +422,9 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
-    y, final, _, stages = scan(
-        x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
-        chunk_size=case.chunk_size, rounding=rounding, D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)),
-        dt_bias=tensors["dt_bias"], dt_softplus=True, dt_limit=case.dt_limit_or_default,
+    y, final, stages = _mixer_scan(
+        case, rounding, x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+        D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)), dt_bias=tensors["dt_bias"],
         initial_states=tensors.get("initial_states"), seq_idx=seq_idx)
     stages = {"conv": xBC, **stages}
     y = y.flatten(-2)

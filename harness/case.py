@@ -21,7 +21,8 @@ Two entry points are described:
   d_conv, D "channel" is D_has_hdim, rmsnorm / norm_before_gate / rmsnorm_eps, dt_limit, segments (seq_idx)
   — plus ``d_model`` (expand = d_inner / d_model), ``bias`` (in_proj and out_proj) and ``conv_bias``. The
   layer returns only its output: no final states, no initial states (none of the three layers has learnable
-  initial states).
+  initial states). With ``layer_steps`` k > 0 the last k tokens are decoded one at a time through the layer's
+  step() and its inference cache, after a prefill of the others: the same output, reached through the cache.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class Case:
     d_model: int = 8
     bias: bool = False
     conv_bias: bool = True
+    # the layer decoding: the last layer_steps tokens one at a time through the layer's step() and its inference
+    # cache, after a prefill of the others that fills the cache (0: the whole sequence in one forward)
+    layer_steps: int = 0
     # how values are drawn, which pass, which seed
     regime: Regime = field(default_factory=Regime)
     pass_: str = "forward"
@@ -268,6 +272,8 @@ class Case:
                              + (f" eps={self.rmsnorm_eps:g}" if self.rmsnorm_eps != 1e-5 else ""))
             if self.bias:
                 feats.append("bias")
+            if self.layer_steps:
+                feats.append(f"steps={self.layer_steps}")
         if self.entry == "split_conv1d":
             feats.append(f"conv{self.conv_width}:{self.activation}")
             if self.d_nonssm:
@@ -299,11 +305,11 @@ class Case:
 # ---- validation ------------------------------------------------------------------------------------------
 
 DECODE_FIELDS = ("decode_steps", "state_dtype", "state_batch_indices")
-LAYER_FIELDS = ("d_model", "bias", "conv_bias")
+LAYER_FIELDS = ("d_model", "bias", "conv_bias", "layer_steps")
 _REQUIRED_IN_JSON = ("entry", "batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "dtype")
 
 _INT_FIELDS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "conv_width",
-               "d_nonssm", "seq_idx_start", "seed", "decode_steps", "d_model"}
+               "d_nonssm", "seq_idx_start", "seed", "decode_steps", "d_model", "layer_steps"}
 _BOOL_FIELDS = {"has_z", "has_dt_bias", "dt_softplus", "initial_states", "varlen_states", "return_final_states",
                 "rmsnorm", "norm_before_gate", "outproj_bias", "final_state_grad",
                "state_batch_indices", "bias", "conv_bias"}
@@ -379,7 +385,7 @@ def _violations(c: Case):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'decode'"
     if c.entry != "layer":
-        for name, default in (("d_model", 8), ("bias", False), ("conv_bias", True)):
+        for name, default in (("d_model", 8), ("bias", False), ("conv_bias", True), ("layer_steps", 0)):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'layer'"
     if c.entry in ("chunk_scan", "decode"):
@@ -407,6 +413,14 @@ def _violations(c: Case):
             yield "initial_states: no layer implementation has learnable initial states"
         if c.return_final_states:
             yield "return_final_states: a layer returns only its output; must be false"
+        if c.layer_steps:
+            if not 0 < c.layer_steps < c.seqlen:
+                yield (f"layer_steps={c.layer_steps} must satisfy 0 <= layer_steps < seqlen={c.seqlen} (the prefill "
+                       f"that fills the cache has at least one token)")
+            if c.segments is not None:
+                yield "layer_steps: a decoded layer has one sequence per batch row (no segments)"
+            if c.pass_ != "forward":
+                yield "layer_steps: decoding is forward only (the step kernel has no backward)"
     if c.entry in ("split_conv1d", "layer"):
         if c.conv_width < 1:
             yield f"conv_width={c.conv_width} must be at least 1"

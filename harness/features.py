@@ -117,6 +117,8 @@ FEATURES = (
             lambda c: c.replace(state_dtype="float32")),
     Feature("decode_steps", "more than one decode step", "one decode step", lambda c: c.decode_steps > 1,
             lambda c: c.replace(decode_steps=1)),
+    Feature("layer_steps", "decoding through the layer's step() and its cache", "the whole sequence in one forward",
+            lambda c: c.layer_steps > 0, lambda c: c.replace(layer_steps=0)),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),

@@ -125,6 +125,26 @@ DRAFTS = {
                   "reads `dt_bias.stride` (AttributeError on Mamba-2's broadcast layout); on another layout the "
                   "launch's `*(dt_bias.stride(0), dt_bias.stride(1)) if dt_bias is not None else 0` unpacks the "
                   "int 0 (TypeError)."),
+    "mamba-mamba2-step-D-has-hdim": Draft(
+        title="Mamba2.step fails with D_has_hdim=True",
+        should="Decoding a D_has_hdim model uses its per-channel D, shape (nheads, headdim), as forward() does "
+               "(`rearrange(self.D, \"(h p) -> h p\", p=self.headdim)`), and its outputs equal forward()'s for the "
+               "same tokens.",
+        code_path="`mamba_ssm/modules/mamba2.py`, `Mamba2.step`, the selective_state_update branch: "
+                  "`D = repeat(self.D, \"h -> h p\", p=self.headdim)` reads D as (nheads,) whatever D_has_hdim says.",
+        call="mamba_ssm.modules.mamba2.Mamba2.step (through forward() with inference_params)",
+        needs="torch, triton, einops, huggingface_hub and mamba-ssm"),
+    "mamba-mamba2-step-ignores-dt-limit": Draft(
+        title="Mamba2.step ignores dt_limit",
+        should="Each decoded token's dt is clamped to dt_limit after the softplus, as the prefill's "
+               "mamba_chunk_scan_combined(..., dt_limit=self.dt_limit) clamps it: decoding a model gives the outputs "
+               "its forward() gives for the same tokens.",
+        code_path="`mamba_ssm/modules/mamba2.py`, `Mamba2.step`: `selective_state_update(ssm_state, x_reshaped, dt, "
+                  "A, B, C, D, z=..., dt_bias=dt_bias, dt_softplus=True)` passes no limit (the kernel, "
+                  "`mamba_ssm/ops/triton/selective_state_update.py`, has no dt_limit argument), and the torch branch "
+                  "`dt = F.softplus(dt + self.dt_bias...)` does not clamp either.",
+        call="mamba_ssm.modules.mamba2.Mamba2.step (through forward() with inference_params)",
+        needs="torch, triton, einops, huggingface_hub and mamba-ssm"),
     "fla-mamba2-torch-forward-tiles-groups": Draft(
         title="Mamba2.torch_forward reads the wrong group's B and C when 1 < n_groups < num_heads",
         should="Head h uses group h // (num_heads // n_groups) of B and C, as on the kernel path "

@@ -278,6 +278,34 @@ DEFECTS += (
                      rmsnorm=True)),
 )
 
+# Mamba2.step (read in mamba-ssm 2.3.2.post1, the release checked): decoding through the inference cache.
+def _dt_limit_active(c: Case) -> bool:
+    return c.dt_limit is not None and (c.dt_limit[0] > 0 or c.dt_limit[1] != float("inf"))
+
+
+DEFECTS += (
+    KnownDefect(
+        id="mamba-mamba2-step-D-has-hdim",
+        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and c.D == "channel",
+        statement="Mamba2.step (decoding with an inference cache) fails with D_has_hdim=True: it broadcasts D as if "
+                  "it were per head, `repeat(self.D, \"h -> h p\", p=self.headdim)`, a (d_ssm, headdim) tensor that "
+                  "selective_state_update rejects (AssertionError); the prefill through forward() takes the same D",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, D="channel",
+                     layer_steps=1)),
+    KnownDefect(
+        id="mamba-mamba2-step-ignores-dt-limit",
+        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        statement="Mamba2.step ignores dt_limit: the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) "
+                  "but no decoded token does (its selective_state_update call has no limit), so a model with a "
+                  "dt_limit decodes other outputs than its forward() gives for the same tokens",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, dt_limit=(0.0, 0.05),
+                     layer_steps=1)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
 
 

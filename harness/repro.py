@@ -213,16 +213,35 @@ STEP_SIDE = '''    """mamba_ssm.selective_state_update: one call per decoded tok
 
 
 LAYER_METHOD = '''
-class Method(torch.nn.Module):
-    """layer.<method>(...) as a module's forward: torch.func.functional_call runs it with the case's weights in
-    place of the layer's own parameters, so the gradients reach the case's tensors."""
+class Calling(torch.nn.Module):
+    """run(layer, ...) as a module's forward: torch.func.functional_call runs it with the case's weights in place
+    of the layer's own parameters, so the gradients reach the case's tensors."""
 
-    def __init__(self, layer, method):
+    def __init__(self, layer, run):
         super().__init__()
-        self.inner, self.method = layer, method
+        self.inner, self.run = layer, run
 
     def forward(self, *args, **kwargs):
-        return getattr(self.inner, self.method)(*args, **kwargs)
+        return self.run(self.inner, *args, **kwargs)
+'''
+
+LAYER_DECODE = '''
+class InferenceCache:
+    """What Mamba2.forward reads of mamba_ssm.utils.generation.InferenceParams."""
+
+    def __init__(self):
+        self.seqlen_offset, self.key_value_memory_dict = 0, {}
+
+
+def decode_with_cache(layer, u, prefill):
+    """forward() over the first `prefill` tokens with an inference cache, then one token per call (step())."""
+    cache = InferenceCache()
+    outs = [layer(u[:, :prefill], inference_params=cache)]
+    cache.seqlen_offset = prefill
+    for t in range(prefill, u.shape[1]):
+        outs.append(layer(u[:, t:t + 1], inference_params=cache))
+        cache.seqlen_offset += 1
+    return torch.cat(outs, dim=1)
 '''
 
 LAYER_PACKAGES = {"mamba_ssm.": ("mamba-ssm", "einops", "huggingface_hub"),
@@ -267,9 +286,14 @@ def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
         lines.append("    if module.causal_conv1d_fn is None:                 # STAND-IN where causal_conv1d is absent")
         lines.append("        module.causal_conv1d_fn = causal_conv1d_fn")
     lines += [f"    {build}", f"    layer.train({how.train})",
-              f"    weights = {{{params}}}",
-              f'    y = torch.func.functional_call(Method(layer, "{how.method}"), weights, (t["u"],)'
-              + (', {"seq_idx": seq})' if how.seq_idx else ")"),
+              f"    weights = {{{params}}}"]
+    if case.layer_steps:
+        lines.append(f"    run = lambda layer, u: decode_with_cache(layer, u, {case.seqlen - case.layer_steps})  "
+                     f"# the last {case.layer_steps} token(s) through step()")
+    else:
+        lines.append(f"    run = lambda layer, u, **kw: layer.{how.method}(u, **kw)")
+    lines += [f'    y = torch.func.functional_call(Calling(layer, run), weights, (t["u"],)'
+              + (', {"seq_idx": seq})' if how.seq_idx and not case.layer_steps else ")"),
               '    return {"y": y[0] if isinstance(y, tuple) else y}']
     needs = next(v for k, v in LAYER_PACKAGES.items() if spec.startswith(k))
     return "\n".join(lines), needs
@@ -370,6 +394,8 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         preamble.append(MAMBA_LOADER)
     if layers:
         preamble.append(LAYER_METHOD)
+        if case.layer_steps:
+            preamble.append(LAYER_DECODE)
     if case.varlen_states:
         preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
                         f"device=DEVICE)")

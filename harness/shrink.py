@@ -90,7 +90,7 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
 FEATURE_STEPS = ("seq_idx", "padding", "seq_idx_start", "initial_states", "z", "dt_limit", "rmsnorm", "d_nonssm",
                  "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
                  "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype", "bias",
-                 "conv_bias")
+                 "conv_bias", "layer_steps")
 
 
 def candidates(case: Case) -> Iterator[tuple]:
@@ -131,6 +131,12 @@ def candidates(case: Case) -> Iterator[tuple]:
             tries.append(_try(case, f"conv width {case.conv_width} -> {w}", conv_width=w))
         if case.d_nonssm > 0:
             tries.append(_try(case, f"d_nonssm {case.d_nonssm} -> 0", d_nonssm=0))
+        for s in _smaller(case.layer_steps):
+            tries.append(_try(case, f"layer_steps {case.layer_steps} -> {s}", layer_steps=s))
+        if case.layer_steps:                # a shorter prefill, the decoded tokens kept
+            for L in _smaller(case.seqlen, floor=case.layer_steps + 1):
+                tries.append(_try(case, f"prefill {case.seqlen - case.layer_steps} -> {L - case.layer_steps} tokens",
+                                  seqlen=L))
     if case.entry == "split_conv1d":
         for w in _smaller(case.conv_width):
             tries.append(_try(case, f"conv width {case.conv_width} -> {w}", conv_width=w))

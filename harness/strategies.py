@@ -202,5 +202,8 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
           and draw(st.booleans())):
         fields["varlen_states"] = True
+    elif entry == "layer" and "segments" not in fields and shape["seqlen"] > 1 and draw(st.booleans()):
+        # decode the last tokens through the layer's step() and its cache (forward, one sequence per row)
+        fields["layer_steps"] = draw(st.integers(1, min(4, shape["seqlen"] - 1)))
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

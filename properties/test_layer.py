@@ -9,6 +9,9 @@ What this file checks:
 - the healthy float32 layer double is within budget, and every layer implementation that runs here is within
   budget on generated layer cases (the features it cannot express switched off; cases a known defect explains
   left out: test_upstream.py's registry test pins them);
+- decoding (layer_steps: a prefill through forward() with an inference cache, then one token per step()) gives
+  the layer's output for the same tokens, judged like it (mamba_ssm's Mamba2; the other layers' decoding is not
+  driven);
 - the weights are the case's: every implementation computes with exactly them (a changed weight changes y);
 - a planted bug (the gated RMSNorm over the wrong group size) is found by a short fuzz campaign, localized to
   the norm (the first divergent stage is "normed", the trigger needs ngroups > 1 and rmsnorm), minimized, and
@@ -58,6 +61,9 @@ LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_be
     (dict(LAYER, return_final_states=True), "a layer returns only its output"),
     (dict(LAYER, out_dim=4), "a layer's out_proj is always d_inner -> d_model"),
     (dict(LAYER, activation="identity"), "a Mamba-2 layer always uses silu"),
+    (dict(LAYER, seqlen=4, layer_steps=4), "layer_steps=4 must satisfy 0 <= layer_steps < seqlen=4"),
+    (dict(LAYER, seqlen=4, layer_steps=1, segments=((2, 2),)), "a decoded layer has one sequence per batch row"),
+    (dict(LAYER, seqlen=4, layer_steps=1, pass_="backward"), "decoding is forward only"),
     (dict(d_model=4), "d_model=4 is only meaningful for entry 'layer'"),
     (dict(bias=True), "bias=True is only meaningful for entry 'layer'"),
 ])
@@ -131,6 +137,8 @@ def test_every_layer_implementation_is_within_budget(spec, device):
     @given(layer_cases())
     @example(Case(**LAYER, batch=2, seqlen=9, nheads=4, ngroups=1, headdim=4, dstate=4, chunk_size=4, d_model=8,
                   rmsnorm=True, bias=True, pass_="backward"))
+    @example(Case(**LAYER, batch=2, seqlen=7, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=4, d_model=4,
+                  d_nonssm=8, rmsnorm=True, layer_steps=3, dtype=DTYPES[-1]))
     def within_budget(case):
         assert_within_budget(spec, fitted_to(spec, case, device), device)
 

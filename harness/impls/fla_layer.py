@@ -33,14 +33,28 @@ MODULE = "fla.layers.mamba2"
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
+# What fla.layers.mamba2 imports from mamba_ssm when its module loads (inside try/except ImportError).
+FROM_MAMBA = (("mamba_ssm.ops.triton.selective_state_update", "selective_state_update"),
+              ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+              ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined"))
+
+
 def fla_mamba2_module():
-    """fla.layers.mamba2, imported after mamba_ssm's Triton ops are loadable (its fast path imports them)."""
-    if upstream.mamba_ssm_problem() is None:
+    """fla.layers.mamba2 with its kernel path: mamba_ssm's Triton ops. fla imports them when the module loads
+    (`import fla` loads every layer); where that happened before harness.upstream made mamba_ssm importable (its
+    package __init__ fails on a CPU), the names its import left None are filled from the loaded release."""
+    mamba = upstream.mamba_ssm_problem() is None
+    if mamba:
         upstream.mamba_ssm()
     runtime.configure()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return importlib.import_module(MODULE)
+        module = importlib.import_module(MODULE)
+    if mamba and module.mamba_chunk_scan_combined is None:
+        for source, name in FROM_MAMBA:
+            setattr(module, name, getattr(importlib.import_module(source), name))
+        module.is_fast_path_available = True
+    return module
 
 
 def _version() -> str:
@@ -80,7 +94,7 @@ class FlaLayer(LayerImplementation):
                 entries=frozenset({"layer"}),
                 dtypes=frozenset(runtime.runnable_dtypes()) if kernels else ALL_DTYPES,
                 devices=(runtime.kernel_devices() or frozenset({"cuda"})) if kernels else frozenset({"cpu", "cuda"}),
-                unsupported=NEEDS_SEQ_IDX | {"d_nonssm"},
+                unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "layer_steps"},
                 limits=(conv_channels_8,) if self.path == "fused" else (),
                 stages=("in_proj",) + (("conv", "dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan",
                                         "skip") if self.path == "fused" else ())

@@ -50,16 +50,16 @@ class Construction:
         return factory(**self.kwargs)
 
 
-class _Method(nn.Module):
-    """``module.<method>(*args)`` as a module's forward, so functional_call can swap the parameters in."""
+class _Calling(nn.Module):
+    """``run(module, *args)`` as a module's forward, so functional_call can swap the parameters in."""
 
-    def __init__(self, module: nn.Module, method: str):
+    def __init__(self, module: nn.Module, run):
         super().__init__()
         self.inner = module
-        self.method = method
+        self.run = run
 
     def forward(self, *args, **kwargs):
-        return getattr(self.inner, self.method)(*args, **kwargs)
+        return self.run(self.inner, *args, **kwargs)
 
 
 def layer_config_key(case: Case) -> tuple:
@@ -88,6 +88,11 @@ class LayerImplementation(Implementation):
         """The module's parameter names -> the case's tensors (views allowed: gradients reach the leaves)."""
         return common_parameters(case, t)
 
+    def invoke(self, case: Case, how: Construction, layer: nn.Module, u: torch.Tensor, **kwargs):
+        """Run ``layer`` (its parameters already the case's) on u: its ``how.method``; adapters that decode
+        (``case.layer_steps``) run the prefill and the steps here."""
+        return getattr(layer, how.method)(u, **kwargs)
+
     def kernel_stages(self, case: Case, zxbcdt: torch.Tensor, t: dict, inputs: Inputs) -> dict:
         """Stages of the layer's kernels, computed from its own in_proj output (oracle layouts); none here."""
         return {}
@@ -104,13 +109,14 @@ class LayerImplementation(Implementation):
         module = self.module(case)
         how = self.construction(case)
         module.train(how.train)
-        wrapper = _Method(module, how.method)
+        wrapper = _Calling(module, lambda layer, u, **kw: self.invoke(case, how, layer, u, **kw))
         params = {f"inner.{name}": value for name, value in self.parameters(case, tensors).items()}
         missing = sorted({f"inner.{n}" for n, _ in module.named_parameters()} - set(params))
         if missing:
             raise RuntimeError(f"{self.name}: no case tensor for the module's parameters {missing}")
         recorded: dict = {}
         hooks = []
+        want_stages = want_stages and not case.layer_steps    # a decoded layer's steps expose no stages
         if want_stages:
             hooks.append(module.in_proj.register_forward_hook(
                 lambda mod, args, out: recorded.__setitem__("in_proj", out.detach())))

@@ -3,7 +3,10 @@
     mamba_ssm.mamba2_mem_eff     use_mem_eff_path=True: in_proj, then mamba_split_conv1d_scan_combined (conv1d,
                                  SSD, gated RMSNorm and out_proj fused)
     mamba_ssm.mamba2_no_mem_eff  use_mem_eff_path=False: in_proj, causal_conv1d_fn, mamba_chunk_scan_combined,
-                                 the Triton gated RMSNorm (RMSNormGated), the SwiGLU branch in torch, out_proj
+                                 the Triton gated RMSNorm (RMSNormGated), the SwiGLU branch in torch, out_proj;
+                                 with layer_steps, generation's path: that prefill with an inference cache, then
+                                 step() per token (the conv update in torch where causal_conv1d is absent,
+                                 selective_state_update)
 
 Built with the case's configuration (d_model, d_state, d_conv, expand, headdim, d_ssm, ngroups, D_has_hdim,
 rmsnorm, norm_before_gate, dt_limit, bias, conv_bias, chunk_size) and driven with the case's weights
@@ -40,6 +43,28 @@ def mamba2_module():
     return module
 
 
+class InferenceCache:
+    """What Mamba2.forward reads of mamba_ssm.utils.generation.InferenceParams (that module imports transformers'
+    generation utilities; the layer needs only these two attributes)."""
+
+    def __init__(self):
+        self.seqlen_offset = 0
+        self.key_value_memory_dict = {}
+
+
+def decode_with_cache(layer, u: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Mamba2 as generation drives it: forward over the first ``prefill`` tokens with an inference cache (conv
+    and SSM states filled), then one token per call, forward taking its step() path once seqlen_offset > 0.
+    Returns the outputs of every token, (b, L, d_model)."""
+    cache = InferenceCache()
+    outs = [layer(u[:, :prefill], inference_params=cache)]
+    cache.seqlen_offset = prefill
+    for t in range(prefill, u.shape[1]):
+        outs.append(layer(u[:, t:t + 1], inference_params=cache))
+        cache.seqlen_offset += 1
+    return torch.cat(outs, dim=1)
+
+
 class MambaLayer(MambaImplementation, LayerImplementation):
     mem_eff = True
     uses = ("causal_conv1d",)
@@ -60,8 +85,10 @@ class MambaLayer(MambaImplementation, LayerImplementation):
 
     def detect(self, rel) -> Capabilities:
         stages = ("in_proj", "conv") + SCAN_STAGES[:-2] + ("skip",) + (() if self.mem_eff else ("normed",))
+        # with an inference cache Mamba2 never takes its mem-eff path: decoding is the other adapter's
         return self.declared(entries=frozenset({"layer"}), limits=(conv_channels_8, fixed_eps) + padding_limits(rel),
-                             stages=stages)
+                             stages=stages, unsupported=frozenset({"layer_steps"} if self.mem_eff else ()),
+                             backward=True)
 
     def declared(self, **overrides) -> Capabilities:
         overrides.setdefault("entries", frozenset({"layer"}))
@@ -72,12 +99,18 @@ class MambaLayer(MambaImplementation, LayerImplementation):
             d_model=case.d_model, d_state=case.dstate, d_conv=case.conv_width, expand=case.expand,
             headdim=case.headdim, d_ssm=case.dim, ngroups=case.ngroups, D_has_hdim=case.D == "channel",
             rmsnorm=case.rmsnorm, norm_before_gate=case.norm_before_gate, dt_limit=case.dt_limit_or_default,
-            bias=case.bias, conv_bias=case.conv_bias, chunk_size=case.chunk_size, use_mem_eff_path=self.mem_eff),
+            bias=case.bias, conv_bias=case.conv_bias, chunk_size=case.chunk_size, use_mem_eff_path=self.mem_eff,
+            layer_idx=0),
             seq_idx=True)
 
     def build(self, case: Case):
         mamba2_module()
         return super().build(case)
+
+    def invoke(self, case, how, layer, u, **kwargs):
+        if not case.layer_steps:
+            return layer(u, **kwargs)
+        return decode_with_cache(layer, u, case.seqlen - case.layer_steps)
 
     def kernel_stages(self, case, zxbcdt, t, inputs) -> dict:
         weights = dict(zxbcdt=zxbcdt, conv1d_weight=t["conv1d_weight"], conv1d_bias=t.get("conv1d_bias"),

@@ -43,7 +43,8 @@ class Mamba2Mixer(LayerImplementation):
     name = "transformers.mamba2_mixer"
     description = ("transformers Mamba2Mixer.forward (no cache): its torch fallbacks where no hub kernel is "
                    "installed; fwd + bwd")
-    capabilities = Capabilities(entries=frozenset({"layer"}), unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel"},
+    capabilities = Capabilities(entries=frozenset({"layer"}),
+                                unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel", "layer_steps"},
                                 limits=(always_normed, gate_first), stages=("in_proj", "normed"))
 
     def unavailable(self) -> Optional[str]:
