@@ -264,13 +264,12 @@ def _layer_implementation(spec: str):
 
 def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
     """A layer built as its adapter builds it (its Construction), run with the case's weights."""
-    from harness.impls.layer_loading import PARAMETER_SOURCES
+    from harness.impls.layer_loading import PARAMETER_SOURCES, PARAMETER_VIEWS
 
     how = impl.construction(case)
-    shaped = {"conv1d_weight": ".unsqueeze(1)", "D": ".reshape(-1)"}
+    view = lambda key: ".{}({})".format(*PARAMETER_VIEWS[key]) if key in PARAMETER_VIEWS else ""
     drawn = inputs_module.draw(case)[0]
-    params = ", ".join(f'"inner.{name}": t["{key}"]{shaped.get(key, "")}' for name, key in PARAMETER_SOURCES
-                       if key in drawn)
+    params = ", ".join(f'"inner.{name}": t["{key}"]{view(key)}' for name, key in PARAMETER_SOURCES if key in drawn)
     literal = lambda d: repr(d).replace(", inf)", ", math.inf)")
     if how.config_class:
         build = (f"layer = module.{how.factory}(module.{how.config_class}(**{literal(how.config)}), "

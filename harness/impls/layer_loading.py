@@ -3,9 +3,9 @@ adapters (harness/impls/mamba_ssm_layer.py, fla_layer.py, transformers_layer.py)
 
 The weights are the case's (harness/inputs.py draws them once); each adapter only says how its module is built
 from the case's configuration and which method runs it (`construction`, data that repro.py writes out too) and
-which parameter holds which of the case's tensors (`parameters`). The module's own parameters are never used: ``torch.func.functional_call``
-runs the method with the case's tensors in their place, so every implementation computes with the same
-numbers and the gradients land on the case's leaves (every parameter's, and the input's).
+which parameter holds which of the case's tensors (`parameters`). The module's own parameters are never used:
+``torch.func.functional_call`` runs the method with the case's tensors in their place, so every implementation
+computes with the same numbers and the gradients land on the case's leaves (every parameter's, and the input's).
 
 Stages a module exposes without being changed: ``in_proj`` (its in_proj's output, zxbcdt) and ``normed`` (what
 reaches its out_proj: the gated RMSNorm's output with the SwiGLU branch in front) where the layer calls those
@@ -142,16 +142,27 @@ class LayerImplementation(Implementation):
         return []
 
 
-def common_parameters(case: Case, t: dict) -> dict:
-    """The parameter names the three layers share (PARAMETER_SOURCES) -> the case's tensors: conv1d's weight as
-    (channels, 1, width), D flattened ((h,) or D_has_hdim's (h * p,))."""
-    shaped = {"conv1d_weight": lambda w: w.unsqueeze(1), "D": lambda d: d.reshape(-1)}
-    return {name: shaped.get(key, lambda v: v)(t[key]) for name, key in PARAMETER_SOURCES if key in t}
-
-
+# The parameter names the three layers share -> the case's tensor each holds.
 PARAMETER_SOURCES = (("in_proj.weight", "in_proj_weight"), ("in_proj.bias", "in_proj_bias"),
                      ("conv1d.weight", "conv1d_weight"), ("conv1d.bias", "conv1d_bias"), ("dt_bias", "dt_bias"),
                      ("A_log", "A_log"), ("D", "D"), ("norm.weight", "rmsnorm_weight"),
                      ("out_proj.weight", "outproj_weight"), ("out_proj.bias", "outproj_bias"))
+# How a case tensor is viewed as the layer parameter: (tensor method, argument). conv1d's weight is (channels, 1,
+# width) in an nn.Conv1d; D is flat ((h,), or D_has_hdim's (h * p,)).
+PARAMETER_VIEWS = {"conv1d_weight": ("unsqueeze", 1), "D": ("reshape", -1)}
 
-__all__ = ["Construction", "LayerImplementation", "common_parameters", "layer_config_key", "PARAMETER_SOURCES"]
+
+def parameter_view(key: str, tensor: torch.Tensor) -> torch.Tensor:
+    if key not in PARAMETER_VIEWS:
+        return tensor
+    method, arg = PARAMETER_VIEWS[key]
+    return getattr(tensor, method)(arg)
+
+
+def common_parameters(case: Case, t: dict) -> dict:
+    """The layer's parameter names (PARAMETER_SOURCES) -> views of the case's tensors (PARAMETER_VIEWS)."""
+    return {name: parameter_view(key, t[key]) for name, key in PARAMETER_SOURCES if key in t}
+
+
+__all__ = ["Construction", "LayerImplementation", "common_parameters", "layer_config_key", "PARAMETER_SOURCES",
+           "PARAMETER_VIEWS"]

@@ -58,6 +58,7 @@ CASE = {'entry': 'layer',
  'd_model': 1,
  'bias': False,
  'conv_bias': False,
+ 'layer_steps': 0,
  'regime': {'decay': 'typical', 'dt_large': False, 'values': 'integer', 'scale': 1.0, 'layout': 'contiguous'},
  'pass_': 'forward',
  'final_state_grad': False,
@@ -351,16 +352,16 @@ def patch_for_the_triton_interpreter():
 
 patch_for_the_triton_interpreter()
 
-class Method(torch.nn.Module):
-    """layer.<method>(...) as a module's forward: torch.func.functional_call runs it with the case's weights in
-    place of the layer's own parameters, so the gradients reach the case's tensors."""
+class Calling(torch.nn.Module):
+    """run(layer, ...) as a module's forward: torch.func.functional_call runs it with the case's weights in place
+    of the layer's own parameters, so the gradients reach the case's tensors."""
 
-    def __init__(self, layer, method):
+    def __init__(self, layer, run):
         super().__init__()
-        self.inner, self.method = layer, method
+        self.inner, self.run = layer, run
 
     def forward(self, *args, **kwargs):
-        return getattr(self.inner, self.method)(*args, **kwargs)
+        return self.run(self.inner, *args, **kwargs)
 
 
 # ---- the implementation(s) under test ---------------------------------------------------------------------
@@ -372,7 +373,8 @@ def side_0(t, seq):
     layer = module.Mamba2(**{'num_heads': 4, 'head_dim': 1, 'hidden_size': 1, 'state_size': 1, 'expand': 4, 'n_groups': 2, 'conv_kernel': 1, 'use_conv_bias': False, 'hidden_act': 'silu', 'D_has_hdim': False, 'rmsnorm': False, 'norm_before_gate': True, 'dt_limit': (0.0, math.inf), 'use_bias': False, 'norm_eps': 1e-05, 'chunk_size': 1, 'backend': 'triton'})
     layer.train(False)
     weights = {"inner.in_proj.weight": t["in_proj_weight"], "inner.conv1d.weight": t["conv1d_weight"].unsqueeze(1), "inner.dt_bias": t["dt_bias"], "inner.A_log": t["A_log"], "inner.D": t["D"].reshape(-1), "inner.out_proj.weight": t["outproj_weight"]}
-    y = torch.func.functional_call(Method(layer, "torch_forward"), weights, (t["u"],))
+    run = lambda layer, u, **kw: layer.torch_forward(u, **kw)
+    y = torch.func.functional_call(Calling(layer, run), weights, (t["u"],))
     return {"y": y[0] if isinstance(y, tuple) else y}
 
 SIDES = {'fla.mamba2_torch': side_0}

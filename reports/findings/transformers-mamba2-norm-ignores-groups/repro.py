@@ -59,6 +59,7 @@ CASE = {'entry': 'layer',
  'd_model': 1,
  'bias': False,
  'conv_bias': False,
+ 'layer_steps': 0,
  'regime': {'decay': 'typical', 'dt_large': False, 'values': 'integer', 'scale': 1.0, 'layout': 'contiguous'},
  'pass_': 'forward',
  'final_state_grad': False,
@@ -299,16 +300,16 @@ DT_LIMIT = tuple(float(v) for v in CASE["dt_limit"]) if CASE["dt_limit"] is not 
 
 
 # ---- what the implementation under test needs to run here  ----
-class Method(torch.nn.Module):
-    """layer.<method>(...) as a module's forward: torch.func.functional_call runs it with the case's weights in
-    place of the layer's own parameters, so the gradients reach the case's tensors."""
+class Calling(torch.nn.Module):
+    """run(layer, ...) as a module's forward: torch.func.functional_call runs it with the case's weights in place
+    of the layer's own parameters, so the gradients reach the case's tensors."""
 
-    def __init__(self, layer, method):
+    def __init__(self, layer, run):
         super().__init__()
-        self.inner, self.method = layer, method
+        self.inner, self.run = layer, run
 
     def forward(self, *args, **kwargs):
-        return getattr(self.inner, self.method)(*args, **kwargs)
+        return self.run(self.inner, *args, **kwargs)
 
 
 # ---- the implementation(s) under test ---------------------------------------------------------------------
@@ -320,7 +321,8 @@ def side_0(t, seq):
     layer = module.Mamba2Mixer(module.Mamba2Config(**{'num_heads': 2, 'head_dim': 1, 'hidden_size': 1, 'state_size': 1, 'expand': 2, 'n_groups': 2, 'conv_kernel': 1, 'use_conv_bias': False, 'use_bias': False, 'chunk_size': 1, 'time_step_limit': (0.0, math.inf), 'layer_norm_epsilon': 1e-05, 'hidden_act': 'silu', 'num_hidden_layers': 1}), **{'layer_idx': 0})
     layer.train(False)
     weights = {"inner.in_proj.weight": t["in_proj_weight"], "inner.conv1d.weight": t["conv1d_weight"].unsqueeze(1), "inner.dt_bias": t["dt_bias"], "inner.A_log": t["A_log"], "inner.D": t["D"].reshape(-1), "inner.norm.weight": t["rmsnorm_weight"], "inner.out_proj.weight": t["outproj_weight"]}
-    y = torch.func.functional_call(Method(layer, "forward"), weights, (t["u"],))
+    run = lambda layer, u, **kw: layer.forward(u, **kw)
+    y = torch.func.functional_call(Calling(layer, run), weights, (t["u"],))
     return {"y": y[0] if isinstance(y, tuple) else y}
 
 SIDES = {'transformers.mamba2_mixer': side_0}
