@@ -13,6 +13,7 @@ properties that draw cases within an implementation's capabilities (properties/t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -72,6 +73,13 @@ def _unragged(c: Case) -> Case:
     return c.replace(**changes)
 
 
+def _no_swiglu(c: Case) -> Case:
+    """No SwiGLU branch; a layer keeps an integer expand (d_model down to a divisor of the new d_inner)."""
+    if c.entry == "layer":
+        return c.replace(d_nonssm=0, d_model=math.gcd(c.d_model, c.dim))
+    return c.replace(d_nonssm=0)
+
+
 def _first_row(c: Case) -> Case:
     changes = dict(batch=1)
     if c.segments is not None:
@@ -97,7 +105,7 @@ FEATURES = (
     Feature("outproj_bias", "an out_proj bias", "no out_proj bias", lambda c: c.outproj_bias,
             lambda c: c.replace(outproj_bias=False), stage="y"),
     Feature("d_nonssm", "the SwiGLU branch (d_nonssm > 0)", "no SwiGLU branch", lambda c: c.d_nonssm > 0,
-            lambda c: c.replace(d_nonssm=0), stage="normed"),
+            _no_swiglu, stage="normed"),
     Feature("z", "z", "no z", lambda c: c.has_z, lambda c: c.replace(has_z=False), stage="gated"),
     # the scan's D is optional; the mixer always takes one, per head or per channel
     Feature("D", "D", "D none", lambda c: c.entry in ("chunk_scan", "decode") and c.D != "none",

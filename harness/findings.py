@@ -157,6 +157,18 @@ DRAFTS = {
                   "`repeat_interleave` at the same place.",
         call="fla.layers.mamba2.Mamba2.torch_forward",
         needs="torch, triton, einops, flash-linear-attention, fla-core and transformers"),
+    "transformers-mamba2-dt-in-half-precision": Draft(
+        title="Mamba2Mixer's torch path computes dt in float16 / bfloat16",
+        should="dt = softplus(dt + dt_bias), clamped to time_step_limit, is computed in float32 (dt_bias is a "
+               "float32 parameter; mamba_chunk_scan_combined, the kernel this function stands in for, computes dt "
+               "in float32): the layer's outputs and gradients then err no more than the same computation with "
+               "float32 dt does.",
+        code_path="`transformers/models/mamba2/modeling_mamba2.py`, `mamba2_chunk_scan` (the torch fallback of "
+                  "`mamba_chunk_scan_combined`): `dt = dt + dt_bias.to(dt.dtype)`, then `F.softplus(dt)` and "
+                  "`torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])` on the half-precision dt; the float32 "
+                  "`.float()` comes only after, in `hidden_states * dt[..., None].float()`.",
+        call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
+        needs="torch and transformers"),
     "transformers-mamba2-norm-ignores-groups": Draft(
         title="Mamba2Mixer's gated RMSNorm ignores n_groups without the hub kernels",
         should="The gated RMSNorm normalizes each group of intermediate_size // n_groups channels on its own, as "

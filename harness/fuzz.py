@@ -293,10 +293,11 @@ class Fuzzer:
             return f"example budget ({cfg.max_examples}) spent"
         return None
 
-    def _note_ratios(self, outcome: Outcome):
+    def _note_ratios(self, outcome: Outcome, explained: set = frozenset()):
+        """The largest ratios so far, of what no known defect explains (the ``explained`` sides are left out)."""
         dtype = outcome.case.dtype
         for side, v in outcome.verdicts.items():
-            if not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
+            if side in explained or not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
                 continue
             worst = v.worst()
             item = {"ratio": v.ratio, "side": side, "tensor": worst.name if worst else None,
@@ -407,10 +408,10 @@ class Fuzzer:
         if self.report.first_judged_s is None:
             self.report.first_judged_s = self._elapsed()
         self.report.production_cases += at_production_shape(fitted)
-        self._note_ratios(outcome)
+        explained = self._note_known(outcome)
+        self._note_ratios(outcome, explained)
         if self.observe is not None:
             self.observe(outcome)
-        explained = self._note_known(outcome)
         # Known defects do not steer the search: it climbs toward the largest error nothing explains.
         ratio = outcome.worst_ratio(excluding=explained)
         if target is not None:

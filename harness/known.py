@@ -276,6 +276,19 @@ DEFECTS += (
         status="found by ssdiff", test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=4, nheads=2, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=4,
                      rmsnorm=True)),
+    KnownDefect(
+        id="transformers-mamba2-dt-in-half-precision",
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        applies=lambda c: c.entry == "layer" and c.dtype in ("float16", "bfloat16"),
+        statement="transformers' Mamba2Mixer without hub kernels computes dt in the activations' half precision: "
+                  "its mamba2_chunk_scan casts the float32 dt_bias down (`dt + dt_bias.to(dt.dtype)`) and applies "
+                  "softplus and dt_limit in float16 / bfloat16 (the kernels compute dt in float32): its gradients, "
+                  "dt_bias's first, err beyond the same-precision budget (11x in float16 with dt_limit (0, 0.05), "
+                  "0.14x once dt is computed in float32)",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, batch=2, seqlen=14, nheads=2, headdim=8, dstate=3,
+                     chunk_size=1, d_model=1, conv_width=1, conv_bias=False, rmsnorm=True, dtype="float16",
+                     dt_limit=(0.0, 0.05), pass_="backward", seed=3)),
 )
 
 # Mamba2.step (read in mamba-ssm 2.3.2.post1, the release checked): decoding through the inference cache.
