@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """ssdiff repro: mamba_ssm.mamba2_no_mem_eff on layer
 
-    case      layer b=1 L=2 h=2 p=2 g=1 n=2 Q=1 | float32 D:head dt_bias softplus dt_limit=[0.0, 0.05] d_model=1 expand=4 conv1 steps=1 decay=typical integer forward | seed=0
+    case      layer b=1 L=2 h=2 p=2 g=1 n=2 Q=1 | float32 D:head dt_bias softplus dt_limit=[0.0, 0.01] d_model=1 expand=4 conv1 steps=1 decay=typical integer forward | seed=0
     sides     mamba_ssm.mamba2_no_mem_eff
     found on  cpu (CPU, Triton interpreter; dtypes float32, float16; fp32 dot ieee; autotune tuned (interpreter: first config); sm_count 132); torch 2.13.0+cpu, triton 3.6.0, mamba-ssm 2.3.2.post1
     mamba_ssm.mamba2_no_mem_eff: output y diverges from the float64 oracle: 1 / 2 elements (50.0%) out of budget.
-      Greatest error 3.99e-06 at index (0, 1, 0) (batch 0, token 1, chunk 1, channel 0, part out): actual -0.0689399, expected -0.0689439; budget there 1.48e-07 (ratio 27x).
-      Relative RMS error 5.71e-05 (same-precision baseline 4.4e-07); max abs error 3.99e-06.
+      Greatest error 0.000299 at index (0, 1, 0) (batch 0, token 1, chunk 1, channel 0, part out): actual -0.0698391, expected -0.0701384; budget there 9.88e-08 (ratio 3.03e+03x).
+      Relative RMS error 0.00419 (same-precision baseline 2.66e-07); max abs error 0.000299.
 
 Run it with nothing but torch, triton, mamba-ssm, einops, huggingface_hub, numpy (the Triton interpreter imports it) installed:
 
@@ -40,7 +40,7 @@ CASE = {'entry': 'layer',
  'has_z': False,
  'has_dt_bias': True,
  'dt_softplus': True,
- 'dt_limit': [0.0, 0.05],
+ 'dt_limit': [0.0, 0.01],
  'initial_states': False,
  'segments': None,
  'padding': None,
@@ -66,7 +66,7 @@ CASE = {'entry': 'layer',
 DEVICE = "cpu"
 # The largest error the oracle's verdict allowed on each judged tensor for this case (ssdiff's per-element
 # budget: a same-precision baseline's error times 4.0, plus a rounding floor; the maximum over elements).
-ALLOWED = {"y": 1.4799705761613388e-07}
+ALLOWED = {"y": 9.878616562927537e-08}
 
 
 # ---- the inputs: ssdiff's own drawing function, verbatim -------------------------------------------------
@@ -604,7 +604,7 @@ def side_0(t, seq):
     module = importlib.import_module("mamba_ssm.modules.mamba2")
     if module.causal_conv1d_fn is None:                 # STAND-IN where causal_conv1d is absent
         module.causal_conv1d_fn = causal_conv1d_fn
-    layer = module.Mamba2(**{'d_model': 1, 'd_state': 2, 'd_conv': 1, 'expand': 4, 'headdim': 2, 'd_ssm': 4, 'ngroups': 1, 'D_has_hdim': False, 'rmsnorm': False, 'norm_before_gate': True, 'dt_limit': (0.0, 0.05), 'bias': False, 'conv_bias': False, 'chunk_size': 1, 'use_mem_eff_path': False, 'layer_idx': 0})
+    layer = module.Mamba2(**{'d_model': 1, 'd_state': 2, 'd_conv': 1, 'expand': 4, 'headdim': 2, 'd_ssm': 4, 'ngroups': 1, 'D_has_hdim': False, 'rmsnorm': False, 'norm_before_gate': True, 'dt_limit': (0.0, 0.01), 'bias': False, 'conv_bias': False, 'chunk_size': 1, 'use_mem_eff_path': False, 'layer_idx': 0})
     layer.train(False)
     weights = {"inner.in_proj.weight": t["in_proj_weight"], "inner.conv1d.weight": t["conv1d_weight"].unsqueeze(1), "inner.dt_bias": t["dt_bias"], "inner.A_log": t["A_log"], "inner.D": t["D"].reshape(-1), "inner.out_proj.weight": t["outproj_weight"]}
     run = lambda layer, u: decode_with_cache(layer, u, 1)  # the last 1 token(s) through step()
