@@ -18,8 +18,8 @@ those kernels compute:
 - the elementwise roundings a later cancellation magnifies, each a rounding point of its own: the conv1d's
   partial sums, ``dt + dt_bias`` and softplus's ``exp(x) + 1``, the D skip's ``x * D``, the SwiGLU's
   products;
-- tensors handed between stages in the dtype kernels store them in: the conv1d output, the normed output
-  and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
+- tensors handed between stages in the dtype kernels store them in: the conv1d output, the scan output the
+  gated RMSNorm reads, the normed output and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
 - backward through the same graph in float32, every rounding point also rounding the gradient that flows
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
@@ -429,6 +429,9 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     stages = {"conv": xBC, **stages}
     y = y.flatten(-2)
     if rms is not None:
+        # the scan hands its output to the gated RMSNorm in the case dtype (out_x of mamba_split_conv1d_scan_combined,
+        # the chunk scan's y before RMSNormGated), and the norm's backward returns that gradient in it
+        y = store(y)
         y = norm_vectorized(y, z, rms, g, case.rmsnorm_eps, case.norm_before_gate)
     if case.d_nonssm:
         y = torch.cat([_swiglu(zx0, case.d_nonssm, rounding), y], dim=-1)
