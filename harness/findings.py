@@ -279,7 +279,8 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
             (folder / REPRO_FILE).unlink(missing_ok=True)
         else:
             verdict = result.outcome.verdicts[record["implementation"]].to_dict()
-            raised = (_local_paths(verdict["detail"]).rsplit(" (at ", 1)[0]
+            # the last line Python prints for the exception: "Type: message", or "Type" when it has no message
+            raised = (_local_paths(verdict["detail"]).rsplit(" (at ", 1)[0].rstrip().removesuffix(":")
                       if verdict["status"] != "diverged" and verdict.get("detail") else None)
             record.update(reproduces=True, runs=result.shrunk.runs, shrunk=result.minimal != defect.example,
                           symptom=symptom(verdict), raised=raised)
