@@ -1,9 +1,16 @@
 """transformers' Mamba2Mixer (transformers/models/mamba2/modeling_mamba2.py) as a layer (layer entry):
 
     transformers.mamba2_mixer   Mamba2Mixer.forward without a cache: in_proj, the causal conv1d, the chunked
-                                scan, MambaRMSNormGated, out_proj — each a function that transformers takes from
-                                the Hugging Face kernel hub where the `kernels` package is installed and fetches
-                                them, and otherwise runs in plain torch (its fallbacks: what runs here)
+                                scan, MambaRMSNormGated, out_proj, with transformers' torch fallbacks for the
+                                conv and the scan
+
+transformers picks each of those functions when its module is imported: a Hugging Face hub kernel where the
+`kernels` package is asked for one, else the original package's (causal_conv1d, mamba_ssm) where it imports,
+else its torch fallback. Which one would run here then depends on whether mamba_ssm was importable when
+modeling_mamba2 was first imported (harness.upstream makes it so on a CPU). The adapter runs the torch fallbacks
+whatever the import order (the functions transformers wrapped, `__wrapped__`, in place of its module's names for
+the call): the path of every install without mamba-ssm and causal-conv1d. With mamba-ssm the mixer calls
+mamba_ssm's kernels, which the mamba_ssm adapters judge already.
 
 Built from a Mamba2Config with the case's configuration (num_heads, head_dim, hidden_size = d_model, state_size,
 expand, n_groups, conv_kernel, use_conv_bias, use_bias, chunk_size, time_step_limit, layer_norm_epsilon) and
@@ -16,6 +23,7 @@ access and the `kernels` package; ssdiff does not fetch them.
 from __future__ import annotations
 
 import importlib
+import contextlib
 from typing import Optional
 
 from harness.case import Case
@@ -25,6 +33,25 @@ from harness.impls.base import Capabilities, limit
 from harness.impls.layer_loading import Construction, LayerImplementation
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
+
+# The module's names for the functions transformers picks at import (hub kernel, original package or torch).
+PICKED = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_split_conv1d_scan_combined",
+          "mamba2_selective_state_update", "mamba2_chunk_scan")
+
+
+@contextlib.contextmanager
+def torch_fallbacks():
+    """modeling_mamba2's picked functions replaced by the torch functions they wrap, for the duration."""
+    module = importlib.import_module(MODULE)
+    saved = {name: getattr(module, name) for name in PICKED}
+    for name, picked in saved.items():
+        setattr(module, name, getattr(picked, "__wrapped__", picked))
+    try:
+        yield
+    finally:
+        for name, picked in saved.items():
+            setattr(module, name, picked)
+
 
 always_normed = limit(lambda c: not c.rmsnorm, "Mamba2Mixer always applies its gated RMSNorm (rmsnorm must be on)")
 gate_first = limit(lambda c: c.norm_before_gate,
@@ -41,8 +68,7 @@ def _version() -> str:
 
 class Mamba2Mixer(LayerImplementation):
     name = "transformers.mamba2_mixer"
-    description = ("transformers Mamba2Mixer.forward (no cache): its torch fallbacks where no hub kernel is "
-                   "installed; fwd + bwd")
+    description = "transformers Mamba2Mixer.forward (no cache) with its torch fallbacks; fwd + bwd"
     capabilities = Capabilities(entries=frozenset({"layer"}),
                                 unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel", "layer_steps"},
                                 limits=(always_normed, gate_first), stages=("in_proj", "normed"))
@@ -63,8 +89,12 @@ class Mamba2Mixer(LayerImplementation):
             use_bias=case.bias, chunk_size=case.chunk_size, time_step_limit=case.dt_limit_or_default,
             layer_norm_epsilon=case.rmsnorm_eps, hidden_act="silu", num_hidden_layers=1))
 
+    def invoke(self, case, how, layer, u, **kwargs):
+        with torch_fallbacks():
+            return layer(u, **kwargs)
+
     def notes(self) -> list:
-        return [f"transformers {_version()} (torch fallbacks: no hub kernel installed)"]
+        return [f"transformers {_version()}: its torch fallbacks for the conv and the scan"]
 
 
 register(Mamba2Mixer())
