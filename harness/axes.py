@@ -3,7 +3,7 @@
 
 Labels: batch, token, chunk, head, group, seq (one varlen sequence), channel (the mixer's packed channels),
 and the ones a budget cell reduces: p (headdim), n (dstate), i / j (positions in a chunk), tap (conv), out
-(out_proj rows). A channel axis lists, per channel, its part and the head or group it belongs to.
+(out_proj rows), model (the layer's d_model inputs of in_proj). A channel axis lists, per channel, its part and the head or group it belongs to.
 
     axes_of(kind, name, case)          the TensorAxes of output / grad / stage ``name``
     owner(axis, i, axes)               the head or group (and channel part) position i along an axis belongs to
@@ -24,7 +24,7 @@ HEAD_PARTS = ("z", "x", "dt", "ssm")
 GROUP_PARTS = ("B", "C")
 
 # Axes whose coordinate is the index itself.
-_PLAIN = ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out")
+_PLAIN = ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out", "model")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,24 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
     gn = case.ngroups * case.dstate
     ssm_width = ((("swiglu", case.d_nonssm),) if case.d_nonssm else ()) + (("ssm", case.dim),)
     conv_parts = (("x", case.dim), ("B", gn), ("C", gn))
+    zxbcdt_parts = ((("swiglu", 2 * case.d_nonssm),) if case.d_nonssm else ()) + (("z", case.dim),) + conv_parts \
+        + (("dt", case.nheads),)
+    if case.entry == "layer":
+        # the layer's own tensors: its input and output (d_model channels), in_proj (zxbcdt channels x d_model)
+        if name in ("y", "u") and kind in ("output", "grad", "stage"):
+            return TensorAxes(("batch", "token", "channel"), channel_parts(case, (("out", case.d_model),)))
+        if kind == "grad" and name == "in_proj_weight":
+            return TensorAxes(("channel", "model"), channel_parts(case, zxbcdt_parts))
+        if kind == "grad" and name == "in_proj_bias":
+            return TensorAxes(("channel",), channel_parts(case, zxbcdt_parts))
+        if kind == "grad" and name == "A_log":
+            return TensorAxes(("head",))
+        if kind == "grad" and name == "outproj_weight":
+            return TensorAxes(("model", "channel"), channel_parts(case, ssm_width))
+        if kind == "grad" and name == "outproj_bias":
+            return TensorAxes(("model",))
+        if kind == "stage" and name == "in_proj":
+            return TensorAxes(("batch", "token", "channel"), channel_parts(case, zxbcdt_parts))
     if kind == "output" or (kind == "stage" and name == "y"):
         if name == "y":
             if case.entry in ("chunk_scan", "decode"):      # decode: token = the decode step
@@ -82,9 +100,7 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
         if name == "initial_states":
             return TensorAxes(("batch", "head", "p", "n"))
         if name == "zxbcdt":
-            parts = ((("swiglu", 2 * case.d_nonssm),) if case.d_nonssm else ()) + (("z", case.dim),) + conv_parts \
-                + (("dt", case.nheads),)
-            return TensorAxes(("batch", "token", "channel"), channel_parts(case, parts))
+            return TensorAxes(("batch", "token", "channel"), channel_parts(case, zxbcdt_parts))
         if name == "conv1d_weight":
             return TensorAxes(("channel", "tap"), channel_parts(case, conv_parts))
         if name == "conv1d_bias":

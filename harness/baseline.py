@@ -18,11 +18,14 @@ those kernels compute:
 - the elementwise roundings a later cancellation magnifies, each a rounding point of its own: the conv1d's
   partial sums, ``dt + dt_bias`` and softplus's ``exp(x) + 1``, the D skip's ``x * D``, the SwiGLU's
   products;
-- tensors handed between stages in the dtype kernels store them in: the conv1d output, the normed output
-  and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
+- tensors handed between stages in the dtype kernels store them in: the conv1d output, the scan output the
+  gated RMSNorm reads, the normed output and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
 - backward through the same graph in float32, every rounding point also rounding the gradient that flows
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
+
+The layer entry is the mixer model with in_proj in front (`_layer`): torch's ``F.linear`` on the stored u and
+weight (TF32 only where torch allows it), zxbcdt stored in the case dtype, ``A = -exp(A_log)`` in float32.
 
 The decode entry has a model of its own (`step_scan`): the step recurrence of a selective-state-update
 kernel in float32, one token at a time, with that kernel's rounding points — the state loaded from and stored
@@ -402,6 +405,26 @@ def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L,
     return torch.stack(states) if states else None
 
 
+def _mixer_scan(case: Case, rounding: Rounding, x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx):
+    """The mixer's scan: the chunked model, or for a decoded layer (``layer_steps``) the chunked model over the
+    prefill and the step model (`step_scan`) over the decoded tokens from its final state, held in the state
+    dtype of the layer's cache (its in_proj's dtype: the case dtype). Returns (y, final, stages); a decoded
+    layer exposes no SSD stages (its steps have none)."""
+    kw = dict(rounding=rounding, dt_bias=dt_bias, dt_softplus=True, dt_limit=case.dt_limit_or_default)
+    if not (case.entry == "layer" and case.layer_steps):
+        y, final, _, stages = scan(x, dt, A, B, C, chunk_size=case.chunk_size, D=D, z=z, initial_states=initial_states,
+                                   seq_idx=seq_idx, **kw)
+        return y, final, stages
+    P = case.seqlen - case.layer_steps
+    cut = lambda t, a, b: t[:, a:b] if t is not None else None
+    y0, state, _, _ = scan(cut(x, 0, P), cut(dt, 0, P), A, cut(B, 0, P), cut(C, 0, P), chunk_size=case.chunk_size,
+                           D=D, z=cut(z, 0, P), **kw)
+    state = rounding._apply(state, case.dtype)              # the cache holds the state in the case dtype
+    y1, final = step_scan(cut(x, P, None), cut(dt, P, None), A, cut(B, P, None), cut(C, P, None), state,
+                          state_precision=case.dtype, D=D, z=cut(z, P, None), **kw)
+    return torch.cat([y0, y1], dim=1), final, {}
+
+
 def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     """The fused mixer: conv1d (stored in the case dtype) -> scan -> gated RMSNorm (stored) -> out_proj."""
     h, p, g, n = case.nheads, case.headdim, case.ngroups, case.dstate
@@ -413,10 +436,9 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
     xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
-    y, final, _, stages = scan(
-        x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
-        chunk_size=case.chunk_size, rounding=rounding, D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)),
-        dt_bias=tensors["dt_bias"], dt_softplus=True, dt_limit=case.dt_limit_or_default,
+    y, final, stages = _mixer_scan(
+        case, rounding, x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+        D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)), dt_bias=tensors["dt_bias"],
         initial_states=tensors.get("initial_states"), seq_idx=seq_idx)
     stages = {"conv": xBC, **stages}
     y = y.flatten(-2)
@@ -435,6 +457,19 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
         y = F.linear(rounding.linear_operand(y), rounding.linear_operand(tensors["outproj_weight"]),
                      tensors.get("outproj_bias"))
     return y, final, stages
+
+
+def _layer(tensors, case: Case, seq_idx, rounding: Rounding):
+    """The whole layer: in_proj (torch's F.linear, its output stored in the case dtype: every layer hands zxbcdt
+    to its kernels in it), A = -exp(A_log) in float32, then the fused mixer model (`_mixer`)."""
+    u = tensors["u"]
+    zxbcdt = rounding.store(F.linear(rounding.linear_operand(u), rounding.linear_operand(tensors["in_proj_weight"]),
+                                     tensors.get("in_proj_bias")))
+    bias = tensors.get("conv1d_bias")
+    mixer_tensors = dict(tensors, zxbcdt=zxbcdt, A=rounding.keep(-torch.exp(tensors["A_log"])),
+                         conv1d_bias=bias if bias is not None else u.new_zeros(tensors["conv1d_weight"].shape[0]))
+    y, final, stages = _mixer(mixer_tensors, case, seq_idx, rounding)
+    return y, final, {"in_proj": zxbcdt, **stages}
 
 
 SAMPLES = 3
@@ -468,7 +503,8 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                 initial_states=leaves.get("initial_states"), seq_idx=inputs.seq_idx, want_varlen=case.varlen_states)
         else:
-            y, final, stages = _mixer(leaves, case, inputs.seq_idx, rounding)
+            model = _layer if case.entry == "layer" else _mixer
+            y, final, stages = model(leaves, case, inputs.seq_idx, rounding)
             varlen = None
         y = rounding.store(y)
         outputs = {"y": y}

@@ -14,7 +14,15 @@ Two entry points are described:
 - ``decode``: a sequence of ``seqlen`` tokens split into a prefill ``[0, seqlen - decode_steps)`` and
   ``decode_steps`` single-token steps of a step kernel (``selective_state_update(state, x, dt, A, B, C, D, z,
   dt_bias, dt_softplus, state_batch_indices)``) starting from the prefill's final state, held in
-  ``state_dtype``; judged token by token (y at each decoded token) and by the state after the last step.
+  ``state_dtype``; judged token by token (y at each decoded token) and by the state after the last step;
+- ``layer``: a whole Mamba-2 layer ``out_proj(mixer(in_proj(u)))`` with one set of weights loaded into every
+  implementation (mamba_ssm's Mamba2, fla's Mamba2, transformers' Mamba2Mixer). Its configuration reuses the
+  mixer's fields — nheads * headdim is d_ssm, d_nonssm is d_inner - d_ssm (the SwiGLU branch), conv_width is
+  d_conv, D "channel" is D_has_hdim, rmsnorm / norm_before_gate / rmsnorm_eps, dt_limit, segments (seq_idx)
+  — plus ``d_model`` (expand = d_inner / d_model), ``bias`` (in_proj and out_proj) and ``conv_bias``. The
+  layer returns only its output: no final states, no initial states (none of the three layers has learnable
+  initial states). With ``layer_steps`` k > 0 the last k tokens are decoded one at a time through the layer's
+  step() and its inference cache, after a prefill of the others: the same output, reached through the cache.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode")
+ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode", "layer")
 DTYPES = ("float32", "float16", "bfloat16")
 D_MODES = ("none", "head", "channel")
 DECAYS = ("none", "mild", "typical", "strong")
@@ -103,6 +111,14 @@ class Case:
     decode_steps: int = 1
     state_dtype: str = "float32"
     state_batch_indices: bool = False
+    # the layer entry: the model width (expand = (nheads * headdim + d_nonssm) / d_model), a bias on in_proj and
+    # out_proj, a bias on the conv1d
+    d_model: int = 8
+    bias: bool = False
+    conv_bias: bool = True
+    # the layer decoding: the last layer_steps tokens one at a time through the layer's step() and its inference
+    # cache, after a prefill of the others that fills the cache (0: the whole sequence in one forward)
+    layer_steps: int = 0
     # how values are drawn, which pass, which seed
     regime: Regime = field(default_factory=Regime)
     pass_: str = "forward"
@@ -136,6 +152,15 @@ class Case:
         return 2 * self.d_nonssm + 2 * self.dim + 2 * self.ngroups * self.dstate + self.nheads
 
     @property
+    def d_inner(self) -> int:
+        """The layer's inner width: d_ssm (nheads * headdim) plus the SwiGLU branch (d_nonssm)."""
+        return self.dim + self.d_nonssm
+
+    @property
+    def expand(self) -> int:
+        return self.d_inner // self.d_model
+
+    @property
     def has_seq_idx(self) -> bool:
         return self.segments is not None
 
@@ -164,6 +189,8 @@ class Case:
         for f in fields(self):
             if f.name in DECODE_FIELDS and self.entry != "decode":
                 continue                # other entries' JSON stays as it was before the decode entry
+            if f.name in LAYER_FIELDS and self.entry != "layer":
+                continue
             value = getattr(self, f.name)
             if f.name == "regime":
                 value = dataclasses.asdict(value)
@@ -235,6 +262,18 @@ class Case:
                 feats.append(f"seq_start={self.seq_idx_start}")
         if self.varlen_states:
             feats.append("varlen_states")
+        if self.entry == "layer":
+            feats.append(f"d_model={self.d_model} expand={self.expand} conv{self.conv_width}"
+                         + ("+bias" if self.conv_bias else ""))
+            if self.d_nonssm:
+                feats.append(f"d_nonssm={self.d_nonssm}")
+            if self.rmsnorm:
+                feats.append("rmsnorm" + ("(before gate)" if self.norm_before_gate else "(after gate)")
+                             + (f" eps={self.rmsnorm_eps:g}" if self.rmsnorm_eps != 1e-5 else ""))
+            if self.bias:
+                feats.append("bias")
+            if self.layer_steps:
+                feats.append(f"steps={self.layer_steps}")
         if self.entry == "split_conv1d":
             feats.append(f"conv{self.conv_width}:{self.activation}")
             if self.d_nonssm:
@@ -266,13 +305,14 @@ class Case:
 # ---- validation ------------------------------------------------------------------------------------------
 
 DECODE_FIELDS = ("decode_steps", "state_dtype", "state_batch_indices")
+LAYER_FIELDS = ("d_model", "bias", "conv_bias", "layer_steps")
 _REQUIRED_IN_JSON = ("entry", "batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "dtype")
 
 _INT_FIELDS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "conv_width",
-               "d_nonssm", "seq_idx_start", "seed", "decode_steps"}
+               "d_nonssm", "seq_idx_start", "seed", "decode_steps", "d_model", "layer_steps"}
 _BOOL_FIELDS = {"has_z", "has_dt_bias", "dt_softplus", "initial_states", "varlen_states", "return_final_states",
                 "rmsnorm", "norm_before_gate", "outproj_bias", "final_state_grad",
-               "state_batch_indices"}
+               "state_batch_indices", "bias", "conv_bias"}
 _CHOICES = {"entry": ENTRY_POINTS, "dtype": DTYPES, "D": D_MODES, "activation": ACTIVATIONS, "pass_": PASSES,
             "state_dtype": DTYPES}
 _REGIME_CHOICES = {"decay": DECAYS, "values": VALUE_KINDS, "layout": LAYOUTS}
@@ -344,6 +384,10 @@ def _violations(c: Case):
         for name, default in (("decode_steps", 1), ("state_dtype", "float32"), ("state_batch_indices", False)):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'decode'"
+    if c.entry != "layer":
+        for name, default in (("d_model", 8), ("bias", False), ("conv_bias", True), ("layer_steps", 0)):
+            if getattr(c, name) != default:
+                yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'layer'"
     if c.entry in ("chunk_scan", "decode"):
         for name, default in (("d_nonssm", 0), ("rmsnorm", False), ("out_dim", None), ("outproj_bias", False)):
             if getattr(c, name) != default:
@@ -355,17 +399,39 @@ def _violations(c: Case):
             yield "segments: the decode entry has one sequence per batch row (rows map to state slots instead)"
         if c.pass_ != "forward":
             yield "pass_: the decode entry is forward only (a step kernel has no backward)"
-    if c.entry == "split_conv1d":
+    if c.entry == "layer":
+        if c.d_model < 1:
+            yield f"d_model={c.d_model} must be at least 1"
+        elif c.d_nonssm >= 0 and c.d_inner % c.d_model:
+            yield (f"d_model={c.d_model} must divide d_inner = nheads * headdim + d_nonssm = {c.d_inner} "
+                   f"(expand = d_inner / d_model is an integer in every Mamba-2 layer)")
+        if c.activation != "silu":
+            yield "activation: a Mamba-2 layer always uses silu"
+        if c.out_dim is not None or c.outproj_bias:
+            yield "out_dim / outproj_bias: a layer's out_proj is always d_inner -> d_model (its bias is `bias`)"
+        if c.initial_states:
+            yield "initial_states: no layer implementation has learnable initial states"
+        if c.return_final_states:
+            yield "return_final_states: a layer returns only its output; must be false"
+        if c.layer_steps:
+            if not 0 < c.layer_steps < c.seqlen:
+                yield (f"layer_steps={c.layer_steps} must satisfy 0 <= layer_steps < seqlen={c.seqlen} (the prefill "
+                       f"that fills the cache has at least one token)")
+            if c.segments is not None:
+                yield "layer_steps: a decoded layer has one sequence per batch row (no segments)"
+            if c.pass_ != "forward":
+                yield "layer_steps: decoding is forward only (the step kernel has no backward)"
+    if c.entry in ("split_conv1d", "layer"):
         if c.conv_width < 1:
             yield f"conv_width={c.conv_width} must be at least 1"
         if c.d_nonssm < 0:
             yield f"d_nonssm={c.d_nonssm} must be non-negative"
         if not c.has_dt_bias or not c.dt_softplus:
-            yield "split_conv1d always uses dt_bias and softplus: has_dt_bias and dt_softplus must be true"
+            yield f"{c.entry} always uses dt_bias and softplus: has_dt_bias and dt_softplus must be true"
         if c.D == "none":
-            yield "split_conv1d always takes D: D must be 'head' or 'channel'"
+            yield f"{c.entry} always takes D: D must be 'head' or 'channel'"
         if c.has_z:
-            yield "has_z: split_conv1d takes z from zxbcdt; leave has_z false"
+            yield f"has_z: {c.entry} takes z from zxbcdt; leave has_z false"
         if c.out_dim is not None and (not isinstance(c.out_dim, int) or c.out_dim < 1):
             yield f"out_dim={c.out_dim!r} must be a positive integer"
         if c.outproj_bias and c.out_dim is None:

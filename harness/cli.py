@@ -23,7 +23,7 @@ def cmd_list(args) -> int:
     out = Console(width=max(console.width, 132)) if not console.is_terminal else console
     impls = list(all_implementations()) + [get(target) for target in args.impl or ()]
     short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "chunk_scan": "scan",
-             "split_conv1d": "mixer"}
+             "split_conv1d": "mixer", "layer": "layer"}
 
     def names(values, order):
         return ", ".join(short.get(v, v) for v in order if v in values)

@@ -13,6 +13,8 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
     "drop_initial_states"  the initial states are ignored (every row starts from zero).
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
+- `ToyLayer`: the whole Mamba-2 layer in float32 (layer entry): in_proj, then the toy mixer; ``bug=
+  "norm_whole_dim"`` puts its gated RMSNorm over the wrong group size (all of d_ssm instead of d_ssm // ngroups).
 - `LowPrecisionOracle`: one of the float64 oracles' math run in float32, results in the dtypes a kernel
   returns them in: a healthy implementation for measuring false alarms.
 - `StepKernel`: the decode entry's step recurrence in float32, one token at a time (the state kept in its
@@ -208,6 +210,25 @@ class ToyMixer(_Float32Implementation):
         return outputs, stages
 
 
+class ToyLayer(_Float32Implementation):
+    """The Mamba-2 layer in float32: zxbcdt = in_proj(u), A = -exp(A_log), then `ToyMixer` (its bug too)."""
+
+    def __init__(self, bug=None):
+        self.mixer = ToyMixer(bug)
+        self.bug = bug
+        self.name = f"double.layer{'.' + bug if bug else ''}"
+        self.description = (f"toy float32 Mamba-2 layer{' with a planted bug: gated RMSNorm over all of d_ssm' if bug else ''}")
+        self.capabilities = Capabilities(entries=frozenset({"layer"}), stages=("in_proj",) + self.mixer.capabilities.stages)
+
+    def compute(self, case, t, inputs):
+        zxbcdt = F.linear(t["u"], t["in_proj_weight"], t.get("in_proj_bias"))
+        bias = t.get("conv1d_bias")
+        mixer_t = dict(t, zxbcdt=zxbcdt, A=-torch.exp(t["A_log"]),
+                       conv1d_bias=bias if bias is not None else zxbcdt.new_zeros(t["conv1d_weight"].shape[0]))
+        outputs, stages = self.mixer.compute(case, mixer_t, inputs)
+        return {"y": outputs["y"]}, {"in_proj": zxbcdt, **stages}
+
+
 class LowPrecisionOracle(_Float32Implementation):
     """A float64 oracle's math evaluated in float32 (healthy; for measuring false alarms)."""
 
@@ -299,6 +320,8 @@ row_leak_bug = ToyKernel("row_leak")
 initial_states_bug = ToyKernel("drop_initial_states")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
+layer = ToyLayer()
+layer_norm_bug = ToyLayer("norm_whole_dim")
 chunked_fp32 = LowPrecisionOracle("ref.chunked")
 quadratic_fp32 = LowPrecisionOracle("ref.quadratic")
 recurrent_fp32 = LowPrecisionOracle("ref.recurrent")

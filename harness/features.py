@@ -13,6 +13,7 @@ properties that draw cases within an implementation's capabilities (properties/t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -72,6 +73,13 @@ def _unragged(c: Case) -> Case:
     return c.replace(**changes)
 
 
+def _no_swiglu(c: Case) -> Case:
+    """No SwiGLU branch; a layer keeps an integer expand (d_model down to a divisor of the new d_inner)."""
+    if c.entry == "layer":
+        return c.replace(d_nonssm=0, d_model=math.gcd(c.d_model, c.dim))
+    return c.replace(d_nonssm=0)
+
+
 def _first_row(c: Case) -> Case:
     changes = dict(batch=1)
     if c.segments is not None:
@@ -97,13 +105,19 @@ FEATURES = (
     Feature("outproj_bias", "an out_proj bias", "no out_proj bias", lambda c: c.outproj_bias,
             lambda c: c.replace(outproj_bias=False), stage="y"),
     Feature("d_nonssm", "the SwiGLU branch (d_nonssm > 0)", "no SwiGLU branch", lambda c: c.d_nonssm > 0,
-            lambda c: c.replace(d_nonssm=0), stage="normed"),
+            _no_swiglu, stage="normed"),
     Feature("z", "z", "no z", lambda c: c.has_z, lambda c: c.replace(has_z=False), stage="gated"),
     # the scan's D is optional; the mixer always takes one, per head or per channel
     Feature("D", "D", "D none", lambda c: c.entry in ("chunk_scan", "decode") and c.D != "none",
             lambda c: c.replace(D="none"), stage="skip"),
-    Feature("D_channel", "per-channel D", "D per head", lambda c: c.entry == "split_conv1d" and c.D == "channel",
+    Feature("D_channel", "per-channel D", "D per head",
+            lambda c: c.entry in ("split_conv1d", "layer") and c.D == "channel",
             lambda c: c.replace(D="head"), stage="skip"),
+    # the layer entry: biases of in_proj / out_proj and of the conv1d
+    Feature("bias", "in_proj and out_proj biases", "no in_proj / out_proj bias", lambda c: c.bias,
+            lambda c: c.replace(bias=False)),
+    Feature("conv_bias", "a conv1d bias", "no conv1d bias", lambda c: c.conv_bias and c.entry == "layer",
+            lambda c: c.replace(conv_bias=False), stage="conv"),
     # the decode entry: rows mapped to state slots, a half-precision state, more than one decode step
     Feature("state_batch_indices", "state_batch_indices (rows mapped to state slots)", "each row in its own slot",
             lambda c: c.state_batch_indices, lambda c: c.replace(state_batch_indices=False)),
@@ -111,6 +125,8 @@ FEATURES = (
             lambda c: c.replace(state_dtype="float32")),
     Feature("decode_steps", "more than one decode step", "one decode step", lambda c: c.decode_steps > 1,
             lambda c: c.replace(decode_steps=1)),
+    Feature("layer_steps", "decoding through the layer's step() and its cache", "the whole sequence in one forward",
+            lambda c: c.layer_steps > 0, lambda c: c.replace(layer_steps=0)),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),

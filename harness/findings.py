@@ -41,7 +41,7 @@ FINDINGS_DIR = REPO / "reports" / "findings"
 CATALOGUE = REPO / "FINDINGS.md"
 CASE_FILE, RECORD_FILE, REPRO_FILE = "case.json", "finding.json", "repro.py"
 MAX_RUNS = 200
-REPRO_NEEDS = "torch, triton, einops and mamba-ssm"
+REPRO_NEEDS_MAMBA = "torch, triton, einops and mamba-ssm"
 # The line of repro.py that changes every day: two files differing only there are the same repro.
 _WRITTEN_ON = re.compile(r"^Written by ssdiff .* on \d{4}-\d{2}-\d{2}\.$", re.M)
 
@@ -53,6 +53,8 @@ class Draft:
     title: str
     should: str            # what should happen
     code_path: str         # the upstream file and function the defect lives in
+    call: str = ""         # what the repro calls, when it is not a mamba_ssm function
+    needs: str = REPRO_NEEDS_MAMBA   # what the repro needs installed
 
 
 DRAFTS = {
@@ -123,6 +125,63 @@ DRAFTS = {
                   "reads `dt_bias.stride` (AttributeError on Mamba-2's broadcast layout); on another layout the "
                   "launch's `*(dt_bias.stride(0), dt_bias.stride(1)) if dt_bias is not None else 0` unpacks the "
                   "int 0 (TypeError)."),
+    "mamba-mamba2-step-D-has-hdim": Draft(
+        title="Mamba2.step fails with D_has_hdim=True",
+        should="Decoding a D_has_hdim model uses its per-channel D, shape (nheads, headdim), as forward() does "
+               "(`rearrange(self.D, \"(h p) -> h p\", p=self.headdim)`), and its outputs equal forward()'s for the "
+               "same tokens.",
+        code_path="`mamba_ssm/modules/mamba2.py`, `Mamba2.step`, the selective_state_update branch: "
+                  "`D = repeat(self.D, \"h -> h p\", p=self.headdim)` reads D as (nheads,) whatever D_has_hdim says.",
+        call="mamba_ssm.modules.mamba2.Mamba2.step (through forward() with inference_params)",
+        needs="torch, triton, einops, huggingface_hub and mamba-ssm"),
+    "mamba-mamba2-step-ignores-dt-limit": Draft(
+        title="Mamba2.step ignores dt_limit",
+        should="Each decoded token's dt is clamped to dt_limit after the softplus, as the prefill's "
+               "mamba_chunk_scan_combined(..., dt_limit=self.dt_limit) clamps it: decoding a model gives the outputs "
+               "its forward() gives for the same tokens.",
+        code_path="`mamba_ssm/modules/mamba2.py`, `Mamba2.step`: `selective_state_update(ssm_state, x_reshaped, dt, "
+                  "A, B, C, D, z=..., dt_bias=dt_bias, dt_softplus=True)` passes no limit (the kernel, "
+                  "`mamba_ssm/ops/triton/selective_state_update.py`, has no dt_limit argument), and the torch branch "
+                  "`dt = F.softplus(dt + self.dt_bias...)` does not clamp either.",
+        call="mamba_ssm.modules.mamba2.Mamba2.step (through forward() with inference_params)",
+        needs="torch, triton, einops, huggingface_hub and mamba-ssm"),
+    "fla-mamba2-torch-forward-tiles-groups": Draft(
+        title="Mamba2.torch_forward reads the wrong group's B and C when 1 < n_groups < num_heads",
+        should="Head h uses group h // (num_heads // n_groups) of B and C, as on the kernel path "
+               "(mamba_chunk_scan_combined) and in the layer's RMSNormGated groups: `repeat_interleave(num_heads "
+               "// n_groups, dim=2)` where torch_forward now tiles with `repeat`. With n_groups 1 or num_heads "
+               "the two agree, which is why it stays unseen in single-group models.",
+        code_path="`fla/layers/mamba2.py`, `Mamba2.torch_forward`, the prefill branch: `B = B.repeat(1, 1, "
+                  "self.num_heads // self.n_groups, 1)` (and the same for C) after reshaping to (batch, seq_len, "
+                  "n_groups, state_size); transformers 5.20.2's Mamba2 fallback (`mamba2_chunk_scan`) uses "
+                  "`repeat_interleave` at the same place.",
+        call="fla.layers.mamba2.Mamba2.torch_forward",
+        needs="torch, triton, einops, flash-linear-attention, fla-core and transformers"),
+    "transformers-mamba2-dt-in-half-precision": Draft(
+        title="Mamba2Mixer's torch path computes dt in float16 / bfloat16",
+        should="dt = softplus(dt + dt_bias), clamped to time_step_limit, is computed in float32 (dt_bias is a "
+               "float32 parameter; mamba_chunk_scan_combined, the kernel this function stands in for, computes dt "
+               "in float32): the layer's outputs and gradients then err no more than the same computation with "
+               "float32 dt does.",
+        code_path="`transformers/models/mamba2/modeling_mamba2.py`, `mamba2_chunk_scan` (the torch fallback of "
+                  "`mamba_chunk_scan_combined`): `dt = dt + dt_bias.to(dt.dtype)`, then `F.softplus(dt)` and "
+                  "`torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])` on the half-precision dt; the float32 "
+                  "`.float()` comes only after, in `hidden_states * dt[..., None].float()`.",
+        call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
+        needs="torch and transformers"),
+    "transformers-mamba2-norm-ignores-groups": Draft(
+        title="Mamba2Mixer's gated RMSNorm ignores n_groups without the hub kernels",
+        should="The gated RMSNorm normalizes each group of intermediate_size // n_groups channels on its own, as "
+               "mamba_ssm's Mamba2 (RMSNormGated with group_size=d_ssm // ngroups) and the fused "
+               "mamba_split_conv1d_scan_combined the mixer calls on its kernel path (ngroups=self.n_groups) do; "
+               "checkpoints with n_groups > 1 (Mamba-Codestral has 8) otherwise run a different model off the "
+               "kernel path.",
+        code_path="`transformers/models/mamba2/modeling_mamba2.py`, `MambaRMSNormGated.forward`: `variance = "
+                  "hidden_states.pow(2).mean(-1, keepdim=True)` over the whole last axis; the class takes no group "
+                  "size and `Mamba2Mixer.__init__` builds it as `MambaRMSNormGated(self.intermediate_size, "
+                  "eps=...)`.",
+        call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
+        needs="torch and transformers"),
 }
 
 
@@ -220,7 +279,8 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
             (folder / REPRO_FILE).unlink(missing_ok=True)
         else:
             verdict = result.outcome.verdicts[record["implementation"]].to_dict()
-            raised = (_local_paths(verdict["detail"]).rsplit(" (at ", 1)[0]
+            # the last line Python prints for the exception: "Type: message", or "Type" when it has no message
+            raised = (_local_paths(verdict["detail"]).rsplit(" (at ", 1)[0].rstrip().removesuffix(":")
                       if verdict["status"] != "diverged" and verdict.get("detail") else None)
             record.update(reproduces=True, runs=result.shrunk.runs, shrunk=result.minimal != defect.example,
                           symptom=symptom(verdict), raised=raised)
@@ -283,12 +343,14 @@ def read_finding(defect_id: str, root: Path = FINDINGS_DIR) -> Optional[dict]:
 
 
 def _repro_line(defect: KnownDefect, found: dict) -> str:
+    needs = DRAFTS[defect.id].needs
     path = f"reports/findings/{defect.id}/{REPRO_FILE}"
     if not found["has_repro"]:
         return f"No repro: the example does not diverge with {found['release']} ({found['why']})."
     exit_text = {1: "exits 1 (the divergence exists)", 0: "exits 0 — it does not show the divergence"}
-    return (f"`python {path}` (needs {REPRO_NEEDS}; on a machine without a GPU it runs the Triton kernels "
-            f"under the Triton interpreter). Exit status 1 while the defect exists, 0 once it is fixed; "
+    interpreter = ("; on a machine without a GPU it runs the Triton kernels under the Triton interpreter"
+                   if "triton" in needs else "")
+    return (f"`python {path}` (needs {needs}{interpreter}). Exit status 1 while the defect exists, 0 once it is fixed; "
             f"with {found['release']}, where it was written, it "
             f"{exit_text.get(found.get('repro_exit'), 'exits ' + str(found.get('repro_exit')))}.")
 
@@ -299,9 +361,11 @@ def _case_block(found: dict) -> list:
             case.to_json(), "```", "", "</details>"]
 
 
-def _upstream_function(impl: str) -> str:
+def _upstream_function(defect: KnownDefect, impl: str) -> str:
     from harness.repro import MAMBA_FUNCTIONS
 
+    if DRAFTS[defect.id].call:
+        return DRAFTS[defect.id].call
     return MAMBA_FUNCTIONS[impl][0] if impl in MAMBA_FUNCTIONS else impl
 
 
@@ -330,14 +394,14 @@ def render_finding(defect: KnownDefect, found: Optional[dict], level: str = "##"
         return out
     out += [f"{sub} Draft upstream report", "", f"**{draft.title}**", "",
             f"*What happens.* In short: {defect.statement}. Calling "
-            f"`{_upstream_function(found['implementation'])}` on the case of the repro "
+            f"`{_upstream_function(defect, found['implementation'])}` on the case of the repro "
             f"(`{found['case'].describe()}` in ssdiff's notation), against a float64 token-by-token evaluation "
             f"of the same inputs:", ""]
     out += [f"- {line}" for line in found["symptom"]]
     ready = "" if found.get("repro_exit") == 1 else (
         f" (Not ready to paste: written with {found['release']}, it exits {found.get('repro_exit')}.)")
     out += ["", f"*What should happen.* {draft.should}", "",
-            f"*Repro.* The attached `repro.py` (standalone: {REPRO_NEEDS}) draws the inputs from a fixed seed, "
+            f"*Repro.* The attached `repro.py` (standalone: {draft.needs}) draws the inputs from a fixed seed, "
             f"runs the function and a float64 reference, prints the largest errors against the allowed ones and "
             f"exits 1 while the defect exists.{ready}", "",
             f"*Affected code path.* {draft.code_path}", "",

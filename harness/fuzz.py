@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from harness import known, localize, oracle, runtime, store, tiling
 from harness.examine import Examiner, Outcome, UsageError
-from harness.pool import Mix, Pool
+from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases, maybe_boundary
 from harness.verdict import FACTOR, PROCESS_FAILURES, budget_rule
@@ -235,10 +235,11 @@ class Fuzzer:
             for b in tiling.boundaries(impl, cfg.device):
                 found.setdefault((b.dim, b.value, b.block), b)
         self.boundaries = tuple(found[k] for k in sorted(found))
-        # Natively, cases come from a rotating pool of compile keys (harness/pool.py); interpreted, freely.
+        # Natively, cases come from a rotating pool of compile keys (harness/pool.py; its entries only);
+        # interpreted, or for the layer entry, freely.
         self.pool = None
         use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
-        if use_pool and any(i.kernel_modules() for i in self.impls.values()):
+        if use_pool and any(i.kernel_modules() for i in self.impls.values()) and set(self.entries) <= POOLED_ENTRIES:
             mix = cfg.pool_mix or (Mix() if cfg.bounds is None else Mix(production=0.0))
             self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
                              seed=cfg.seed, fit=self.examiner.fit)
@@ -293,10 +294,11 @@ class Fuzzer:
             return f"example budget ({cfg.max_examples}) spent"
         return None
 
-    def _note_ratios(self, outcome: Outcome):
+    def _note_ratios(self, outcome: Outcome, explained: set = frozenset()):
+        """The largest ratios so far, of what no known defect explains (the ``explained`` sides are left out)."""
         dtype = outcome.case.dtype
         for side, v in outcome.verdicts.items():
-            if not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
+            if side in explained or not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
                 continue
             worst = v.worst()
             item = {"ratio": v.ratio, "side": side, "tensor": worst.name if worst else None,
@@ -407,10 +409,10 @@ class Fuzzer:
         if self.report.first_judged_s is None:
             self.report.first_judged_s = self._elapsed()
         self.report.production_cases += at_production_shape(fitted)
-        self._note_ratios(outcome)
+        explained = self._note_known(outcome)
+        self._note_ratios(outcome, explained)
         if self.observe is not None:
             self.observe(outcome)
-        explained = self._note_known(outcome)
         # Known defects do not steer the search: it climbs toward the largest error nothing explains.
         ratio = outcome.worst_ratio(excluding=explained)
         if target is not None:

@@ -4,8 +4,13 @@ Every value is drawn in float64 on the CPU from a generator seeded by ``case.see
 depend on the device), rounded once to the dtype it is handed to implementations in, and kept in float64
 after that rounding. The oracle therefore sees exactly the numbers every implementation sees.
 
-Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt) and the mixer's weights in the
-case's dtype; A, D, dt_bias and initial_states in float32.
+Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt, the layer's input u) and the mixer's
+and layer's weights in the case's dtype; A (the layer's A_log), D, dt_bias and initial_states in float32.
+
+The layer entry draws its weights once, here, so every implementation is loaded with the same numbers: u (b, L,
+d_model), in_proj (zxbcdt width, d_model) and its bias, the conv1d (and its bias), dt_bias, A_log = log(-A), D,
+the norm's weight, out_proj (d_model, d_inner) and its bias. dt reaches the scan as in_proj's dt rows applied to
+u, plus dt_bias: the rows are scaled so the pre-softplus dt sits where the regime wants it, as in the scan.
 
 The decode entry draws the chunk scan's values over the whole sequence; its step kernel starts from ``state``,
 the state after the prefill (the float64 chunked oracle's final state over the first ``seqlen - decode_steps``
@@ -33,6 +38,16 @@ _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "
 CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight",
                                "outproj_weight", "outproj_bias", "initial_states")
+# The layer's input and every one of its parameters (A enters as A_log, A = -exp(A_log), as every layer holds it).
+LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "in_proj_bias", "conv1d_weight", "conv1d_bias", "dt_bias", "A_log",
+                        "D", "rmsnorm_weight", "outproj_weight", "outproj_bias")
+
+
+def differentiable_names(case: Case) -> tuple:
+    """The inputs of ``case``'s entry point that have gradients."""
+    if case.entry == "layer":
+        return LAYER_DIFFERENTIABLE
+    return CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
 
 
 def torch_dtype(case: Case) -> torch.dtype:
@@ -83,8 +98,7 @@ class Inputs:
 
     @property
     def differentiable(self) -> tuple:
-        names = CHUNK_SCAN_DIFFERENTIABLE if self.case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
-        return tuple(n for n in names if n in self.values)
+        return tuple(n for n in differentiable_names(self.case) if n in self.values)
 
     def leaves(self, dtype: torch.dtype, requires_grad: bool = False) -> dict:
         """Fresh contiguous leaves of every value in ``dtype`` (the differentiable ones requiring grad when
@@ -202,6 +216,28 @@ def draw(case) -> tuple:
         if case.has_dt_bias:
             put("dt_bias", dt_bias, torch.float32)
         y_shape = (b, L, h, p)
+    elif case.entry == "layer":
+        dim, conv_ch, d_model, d_inner = case.dim, case.conv_channels, case.d_model, case.d_inner
+        put("u", values(b, L, d_model), act)
+        # in_proj rows [SwiGLU branch, z, xBC, dt]: unit-variance outputs, the dt rows at std 0.7 (as dt above)
+        rows = 2 * case.d_nonssm + dim + conv_ch
+        std = 1.0 / math.sqrt(d_model)
+        weight = torch.cat([normal(rows, d_model, std=std), normal(h, d_model, std=0.7 * std)], dim=0)
+        put("in_proj_weight", weight, act)
+        if case.bias:
+            put("in_proj_bias", normal(rows + h, std=0.1), act)
+        put("conv1d_weight", normal(conv_ch, case.conv_width, std=1.0 / math.sqrt(case.conv_width)), act)
+        if case.conv_bias:
+            put("conv1d_bias", normal(conv_ch, std=0.1), act)
+        put("dt_bias", dt_bias + center / 2, torch.float32)
+        put("A_log", torch.log(-A), torch.float32)
+        put("D", normal(h) if case.D == "head" else normal(h, p), torch.float32)
+        if case.rmsnorm:
+            put("rmsnorm_weight", 1.0 + normal(dim, std=0.2), act)
+        put("outproj_weight", normal(d_model, d_inner, std=1.0 / math.sqrt(d_inner)), act)
+        if case.bias:
+            put("outproj_bias", normal(d_model, std=0.1), act)
+        y_shape = (b, L, d_model)
     else:
         dim, conv_ch = case.dim, case.conv_channels
         zx0 = values(b, L, 2 * case.d_nonssm)

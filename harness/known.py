@@ -104,11 +104,15 @@ DEFECTS = (
                      pass_="backward", final_state_grad=True, seed=3)),
     KnownDefect(
         id="mamba-swiglu-backward-without-out-proj",
-        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.0.0", None),
-        applies=lambda c: c.backward and c.d_nonssm > 0 and (c.out_dim is None or not c.rmsnorm),
+        # mamba_ssm's Mamba2 layer reaches it on its mem-eff path (always with out_proj; d_ssm < d_inner, no rmsnorm)
+        implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff"), package="mamba-ssm",
+        affected=("2.0.0", None),
+        applies=lambda c: c.backward and c.d_nonssm > 0 and ((c.out_dim is None and c.entry != "layer")
+                                                            or not c.rmsnorm),
         statement="mamba_split_conv1d_scan_combined's backward fails with d_nonssm > 0 unless both rmsnorm and "
                   "out_proj are given (no out_proj: UnboundLocalError on out0_recompute; out_proj without rmsnorm: "
-                  "d(outproj_weight) misses the SwiGLU columns)",
+                  "d(outproj_weight) misses the SwiGLU columns); Mamba2 with use_mem_eff_path, d_ssm < d_inner "
+                  "and rmsnorm=False inherits it",
         status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
                      pass_="backward")),
@@ -123,7 +127,9 @@ DEFECTS = (
                      rmsnorm=True, out_dim=4, pass_="backward", seed=5)),
     KnownDefect(
         id="mamba-softplus-backward-nan-above-20",
-        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
+        # the layers whose training path is this kernel (mamba_ssm's Mamba2 mem-eff path, fla's fused path) inherit it
+        implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff", "fla.mamba2_fused"),
+        package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
         applies=lambda c: c.backward and c.dt_softplus and c.regime.dt_large and c.regime.decay in ("typical", "strong"),
         statement="mamba_split_conv1d_scan_combined's backward returns NaN gradients of dt (zxbcdt's dt channels), "
                   "dt_bias and A where dt + dt_bias passes the softplus threshold of 20, with typical or strong decay",
@@ -249,6 +255,75 @@ DEFECTS += (
         example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, has_dt_bias=False)),
 )
 
+# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; earlier ones
+# not): each layer's plain-torch path groups heads differently from mamba_ssm's Mamba2 and kernels.
+LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
+
+DEFECTS += (
+    KnownDefect(
+        id="fla-mamba2-torch-forward-tiles-groups",
+        implementations=("fla.mamba2_torch",), package="flash-linear-attention", affected=("0.6.0", None),
+        applies=lambda c: c.entry == "layer" and 1 < c.ngroups < c.nheads,
+        statement="fla's Mamba2.torch_forward (what forward() runs off a GPU) expands B and C from n_groups to "
+                  "num_heads with `repeat`, which tiles the groups (head h reads group h % n_groups), instead of "
+                  "`repeat_interleave` (head h reads group h // (num_heads // n_groups), as mamba_chunk_scan_combined "
+                  "on its kernel path does): its output is wrong whenever 1 < n_groups < num_heads",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=4, nheads=4, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=8)),
+    KnownDefect(
+        id="transformers-mamba2-norm-ignores-groups",
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        applies=lambda c: c.entry == "layer" and c.ngroups > 1 and c.rmsnorm,
+        statement="transformers' Mamba2Mixer without hub kernels normalizes its gated RMSNorm (MambaRMSNormGated) "
+                  "over all intermediate_size channels instead of per group of intermediate_size // n_groups, as "
+                  "mamba_ssm's Mamba2 does and as the fused kernel the same mixer calls on its kernel path "
+                  "(ngroups=n_groups) does: its output is wrong whenever n_groups > 1",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=4, nheads=2, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=4,
+                     rmsnorm=True)),
+    KnownDefect(
+        id="transformers-mamba2-dt-in-half-precision",
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        applies=lambda c: c.entry == "layer" and c.dtype in ("float16", "bfloat16"),
+        statement="transformers' Mamba2Mixer without hub kernels computes dt in the activations' half precision: "
+                  "its mamba2_chunk_scan casts the float32 dt_bias down (`dt + dt_bias.to(dt.dtype)`) and applies "
+                  "softplus and dt_limit in float16 / bfloat16 (the kernels compute dt in float32): its gradients, "
+                  "dt_bias's first, err beyond the same-precision budget (11x in float16 with dt_limit (0, 0.05), "
+                  "0.14x once dt is computed in float32)",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, batch=2, seqlen=14, nheads=2, headdim=8, dstate=3,
+                     chunk_size=1, d_model=1, conv_width=1, conv_bias=False, rmsnorm=True, dtype="float16",
+                     dt_limit=(0.0, 0.05), pass_="backward", seed=3)),
+)
+
+# Mamba2.step (read in mamba-ssm 2.3.2.post1, the release checked): decoding through the inference cache.
+def _dt_limit_active(c: Case) -> bool:
+    return c.dt_limit is not None and (c.dt_limit[0] > 0 or c.dt_limit[1] != float("inf"))
+
+
+DEFECTS += (
+    KnownDefect(
+        id="mamba-mamba2-step-D-has-hdim",
+        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and c.D == "channel",
+        statement="Mamba2.step (decoding with an inference cache) fails with D_has_hdim=True: it broadcasts D as if "
+                  "it were per head, `repeat(self.D, \"h -> h p\", p=self.headdim)`, a (d_ssm, headdim) tensor that "
+                  "selective_state_update rejects (AssertionError); the prefill through forward() takes the same D",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, D="channel",
+                     layer_steps=1)),
+    KnownDefect(
+        id="mamba-mamba2-step-ignores-dt-limit",
+        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        statement="Mamba2.step ignores dt_limit: the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) "
+                  "but no decoded token does (its selective_state_update call has no limit), so a model with a "
+                  "dt_limit decodes other outputs than its forward() gives for the same tokens",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, dt_limit=(0.0, 0.01),
+                     layer_steps=1)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
 
 
@@ -265,7 +340,11 @@ def installed_version(package: str) -> Optional[str]:
         return upstream.mamba_ssm().version if upstream.mamba_ssm_problem() is None else None
     if package == "fla-core":
         return upstream.fla().version if upstream.fla_problem() is None else None
-    return None
+    from importlib import metadata
+    try:                                  # the layers' packages: their installed distribution
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def affecting(impl: str) -> list:

@@ -132,7 +132,7 @@ def stages(verdict: Verdict, trigger: Optional[list] = None) -> dict:
 
 
 STAGE_WORDS = {
-    "conv": "the causal conv1d", "dt": "dt processing (bias, softplus, limits)", "dA_cumsum": "the dA cumsum",
+    "in_proj": "the input projection (in_proj)", "conv": "the causal conv1d", "dt": "dt processing (bias, softplus, limits)", "dA_cumsum": "the dA cumsum",
     "chunk_states": "the per-chunk states", "passed_states": "state passing between chunks",
     "CB": "C.B^T per chunk", "scan": "the chunk scan output", "skip": "the D skip", "gated": "the z gate",
     "normed": "the gated RMSNorm", "y": "the output projection",

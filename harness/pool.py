@@ -59,6 +59,11 @@ FLAGS = {
 }
 
 
+# The entries a pool draws keys for; a campaign over another (the layer entry, whose modules take their sizes
+# from the case's configuration) draws its cases freely.
+POOLED_ENTRIES = frozenset(FLAGS)
+
+
 def flags_of(case) -> tuple:
     """``case``'s values of its entry's FLAGS, as (name, value) pairs."""
     def value(name):
@@ -316,4 +321,4 @@ class Pool:
                           seqlen_min=lo, seqlen_max=hi, boundary=boundary, flags=flags, **mixer)
 
 
-__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "FLAGS", "flags_of", "spec_class", "seqlen_class"]
+__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "FLAGS", "POOLED_ENTRIES", "flags_of", "spec_class", "seqlen_class"]

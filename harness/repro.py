@@ -30,7 +30,7 @@ from harness import inputs as inputs_module
 from harness import runtime, standins
 from harness.axes import axes_of
 from harness.case import Case
-from harness.inputs import CHUNK_SCAN_DIFFERENTIABLE, SPLIT_CONV1D_DIFFERENTIABLE, Inputs
+from harness.inputs import Inputs, differentiable_names
 from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, storage_dtype
 
 TEMPLATE = Path(__file__).parent / "templates" / "repro.py.j2"
@@ -215,9 +215,98 @@ STEP_SIDE = '''    """mamba_ssm.selective_state_update: one call per decoded tok
     return out'''
 
 
+LAYER_METHOD = '''
+class Calling(torch.nn.Module):
+    """run(layer, ...) as a module's forward: torch.func.functional_call runs it with the case's weights in place
+    of the layer's own parameters, so the gradients reach the case's tensors."""
+
+    def __init__(self, layer, run):
+        super().__init__()
+        self.inner, self.run = layer, run
+
+    def forward(self, *args, **kwargs):
+        return self.run(self.inner, *args, **kwargs)
+'''
+
+LAYER_DECODE = '''
+class InferenceCache:
+    """What Mamba2.forward reads of mamba_ssm.utils.generation.InferenceParams."""
+
+    def __init__(self):
+        self.seqlen_offset, self.key_value_memory_dict = 0, {}
+
+
+def decode_with_cache(layer, u, prefill):
+    """forward() over the first `prefill` tokens with an inference cache, then one token per call (step())."""
+    cache = InferenceCache()
+    outs = [layer(u[:, :prefill], inference_params=cache)]
+    cache.seqlen_offset = prefill
+    for t in range(prefill, u.shape[1]):
+        outs.append(layer(u[:, t:t + 1], inference_params=cache))
+        cache.seqlen_offset += 1
+    return torch.cat(outs, dim=1)
+'''
+
+LAYER_PACKAGES = {"mamba_ssm.": ("mamba-ssm", "einops", "huggingface_hub"),
+                  "fla.": ("flash-linear-attention", "fla-core", "transformers"), "transformers.": ("transformers",)}
+
+
+def _layer_implementation(spec: str):
+    """The layer adapter named ``spec`` (harness/impls/layer_loading.py), or None."""
+    from harness.impls import UnknownImplementation, get
+    from harness.impls.layer_loading import LayerImplementation
+
+    if ":" in spec:
+        return None
+    try:
+        impl = get(spec)
+    except UnknownImplementation:
+        return None
+    return impl if isinstance(impl, LayerImplementation) else None
+
+
+def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
+    """A layer built as its adapter builds it (its Construction), run with the case's weights."""
+    from harness.impls.layer_loading import PARAMETER_SOURCES, PARAMETER_VIEWS
+
+    how = impl.construction(case)
+    view = lambda key: ".{}({})".format(*PARAMETER_VIEWS[key]) if key in PARAMETER_VIEWS else ""
+    drawn = inputs_module.draw(case)[0]
+    params = ", ".join(f'"inner.{name}": t["{key}"]{view(key)}' for name, key in PARAMETER_SOURCES if key in drawn)
+    literal = lambda d: repr(d).replace(", inf)", ", math.inf)")
+    if how.config_class:
+        build = (f"layer = module.{how.factory}(module.{how.config_class}(**{literal(how.config)}), "
+                 f"**{literal(how.kwargs)})")
+    else:
+        build = f"layer = module.{how.factory}(**{literal(how.kwargs)})"
+    lines = [f"def {fn}(t, seq):",
+             f'    """{spec}: {impl.description}.\n    Built with the case\'s configuration and run with the case\'s '
+             f'weights (its own parameters unused)."""',
+             "    import importlib",
+             f'    module = importlib.import_module("{how.module}")']
+    if spec.startswith("mamba_ssm."):
+        lines.append("    if module.causal_conv1d_fn is None:                 # STAND-IN where causal_conv1d is absent")
+        lines.append("        module.causal_conv1d_fn = causal_conv1d_fn")
+    lines += [f"    {build}", f"    layer.train({how.train})",
+              f"    weights = {{{params}}}"]
+    if case.layer_steps:
+        lines.append(f"    run = lambda layer, u: decode_with_cache(layer, u, {case.seqlen - case.layer_steps})  "
+                     f"# the last {case.layer_steps} token(s) through step()")
+    else:
+        lines.append(f"    run = lambda layer, u, **kw: layer.{how.method}(u, **kw)")
+    lines += [f'    y = torch.func.functional_call(Calling(layer, run), weights, (t["u"],)'
+              + (', {"seq_idx": seq})' if how.seq_idx and not case.layer_steps else ")"),
+              '    return {"y": y[0] if isinstance(y, tuple) else y}']
+    needs = next(v for k, v in LAYER_PACKAGES.items() if spec.startswith(k))
+    return "\n".join(lines), needs
+
+
 def _side_code(number: int, spec: str, case: Case) -> tuple:
     """(code defining side_<number>(t, seq), the packages it needs)"""
     fn = f"side_{number}"
+    layer = _layer_implementation(spec) if case.entry == "layer" else None
+    if layer is not None:
+        return _layer_side(fn, spec, layer, case)
     if spec in MAMBA_FUNCTIONS:
         name, kind = MAMBA_FUNCTIONS[spec]
         if kind in ("combined", "plain"):
@@ -298,9 +387,17 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
     if interpreter:
         preamble.append(INTERPRETER_PATCHES)
         needs.append("numpy (the Triton interpreter imports it)")
-    if any(s in MAMBA_FUNCTIONS or s == STEP for s in sides):
+    layers = [s for s in sides if case.entry == "layer" and _layer_implementation(s) is not None]
+    # mamba_ssm's layer, and fla's kernel paths, import mamba_ssm's Triton ops: loadable only through the loader
+    needs_mamba = [s for s in sides if s in MAMBA_FUNCTIONS or s == STEP
+                   or (s in layers and (s.startswith("mamba_ssm.") or s in ("fla.mamba2_triton", "fla.mamba2_fused")))]
+    if needs_mamba:
         preamble.append(_standins_source())
         preamble.append(MAMBA_LOADER)
+    if layers:
+        preamble.append(LAYER_METHOD)
+        if case.layer_steps:
+            preamble.append(LAYER_DECODE)
     if case.varlen_states:
         preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
                         f"device=DEVICE)")
@@ -309,7 +406,11 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         env_packages["mamba-ssm"] = _version("mamba-ssm")
     if any(s.startswith("fla.") for s in sides):
         env_packages["fla-core"] = _version("fla-core")
-    differentiable = list(CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE)
+    if any(s.startswith("fla.mamba2") for s in sides):
+        env_packages["flash-linear-attention"] = _version("flash-linear-attention")
+    if any(s.startswith("transformers.") for s in sides):
+        env_packages["transformers"] = _version("transformers")
+    differentiable = list(differentiable_names(case))
     template = jinja2.Template(TEMPLATE.read_text(encoding="utf-8"), keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
     text = template.render(

@@ -89,7 +89,8 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
 # The features the minimizer switches off, in the order it tries them.
 FEATURE_STEPS = ("seq_idx", "padding", "seq_idx_start", "initial_states", "z", "dt_limit", "rmsnorm", "d_nonssm",
                  "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
-                 "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype")
+                 "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype", "bias",
+                 "conv_bias", "layer_steps")
 
 
 def candidates(case: Case) -> Iterator[tuple]:
@@ -121,6 +122,21 @@ def candidates(case: Case) -> Iterator[tuple]:
     while q >= 1 and q >= case.chunk_size // 8:
         tries.append(_try(case, f"chunk_size {case.chunk_size} -> {q}", chunk_size=q))
         q //= 2
+    if case.entry == "layer":
+        # d_model among the divisors of d_inner; then sizes that move d_inner keep d_model (1 divides all)
+        for m in _smaller(case.d_model):
+            if case.d_inner % m == 0:
+                tries.append(_try(case, f"d_model {case.d_model} -> {m}", d_model=m))
+        for w in _smaller(case.conv_width):
+            tries.append(_try(case, f"conv width {case.conv_width} -> {w}", conv_width=w))
+        if case.d_nonssm > 0:
+            tries.append(_try(case, f"d_nonssm {case.d_nonssm} -> 0", d_nonssm=0))
+        for s in _smaller(case.layer_steps):
+            tries.append(_try(case, f"layer_steps {case.layer_steps} -> {s}", layer_steps=s))
+        if case.layer_steps:                # a shorter prefill, the decoded tokens kept
+            for L in _smaller(case.seqlen, floor=case.layer_steps + 1):
+                tries.append(_try(case, f"prefill {case.seqlen - case.layer_steps} -> {L - case.layer_steps} tokens",
+                                  seqlen=L))
     if case.entry == "split_conv1d":
         for w in _smaller(case.conv_width):
             tries.append(_try(case, f"conv width {case.conv_width} -> {w}", conv_width=w))
@@ -132,8 +148,9 @@ def candidates(case: Case) -> Iterator[tuple]:
     tries.extend(_switched_off(case, key) for key in FEATURE_STEPS)
     if case.D == "channel":
         tries.append(_try(case, "D per head", D="head"))
-    if case.entry == "split_conv1d":
-        tries.append(_try(case, "activation identity", activation="identity"))
+    if case.entry in ("split_conv1d", "layer"):
+        if case.entry == "split_conv1d":
+            tries.append(_try(case, "activation identity", activation="identity"))
         tries.append(_try(case, "norm before gate", norm_before_gate=True))
     if case.dtype != "float32":
         tries.append(_try(case, f"{case.dtype} -> float32", dtype="float32"))

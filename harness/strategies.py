@@ -137,11 +137,25 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str, pi
     if draw(_pinned(pin, "dt_limit", st.booleans())):
         lo = draw(st.sampled_from((0.0, 0.001, 0.01)))
         out["dt_limit"] = (lo, draw(st.sampled_from((0.05, 0.1, 1.0, math.inf))))
-    out["initial_states"] = draw(_pinned(pin, "initial_states", st.booleans()))
+    out["initial_states"] = draw(_pinned(pin, "initial_states", st.booleans())) and entry != "layer"  # no layer has them
     if entry == "decode":               # one sequence per row; the step kernel always updates its state
         return out
     out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"))))
-    out["return_final_states"] = draw(_pinned(pin, "return_final_states", st.booleans()))
+    # a layer returns only its output
+    out["return_final_states"] = draw(_pinned(pin, "return_final_states", st.booleans())) and entry != "layer"
+    return out
+
+
+@st.composite
+def layer_features(draw, nheads: int, headdim: int) -> dict:
+    """The layer's own configuration: d_conv, the SwiGLU branch (d_ssm < d_inner), d_model (a divisor of
+    d_inner, so expand is an integer), the gated RMSNorm (Mamba-2's eps 1e-5), biases."""
+    d_nonssm = draw(st.sampled_from((0, 0, 2, 4)))
+    d_inner = nheads * headdim + d_nonssm
+    out = dict(conv_width=draw(st.integers(1, 4)), d_nonssm=d_nonssm,
+               d_model=draw(st.sampled_from(divisors(d_inner))), rmsnorm=draw(st.booleans()),
+               rmsnorm_eps=1e-5, bias=draw(st.booleans()), conv_bias=draw(st.booleans()))
+    out["norm_before_gate"] = out["rmsnorm"] and draw(st.booleans())
     return out
 
 
@@ -189,6 +203,9 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
         fields.update(draw(mixer_features(shape["nheads"], shape["headdim"], key)))
     if entry == "decode":
         fields.update(draw(decode_features(shape["seqlen"], dtypes, pin=pin)))
+    if entry == "layer":
+        fields.update(draw(layer_features(shape["nheads"], shape["headdim"])))
+        layouts = ("contiguous",)                       # a layer's input is one contiguous tensor
     fields["regime"] = draw(regimes(layouts))
     do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode"
     if do_backward:
@@ -198,5 +215,8 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
           and draw(_pinned(pin, "varlen_states", st.booleans()))):
         fields["varlen_states"] = True
+    elif entry == "layer" and "segments" not in fields and shape["seqlen"] > 1 and draw(st.booleans()):
+        # decode the last tokens through the layer's step() and its cache (forward, one sequence per row)
+        fields["layer_steps"] = draw(st.integers(1, min(4, shape["seqlen"] - 1)))
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

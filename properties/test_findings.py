@@ -35,6 +35,11 @@ def _releases() -> list:
 def _repro_params() -> list:
     params = []
     for defect in FINDINGS:
+        if defect.package != "mamba-ssm":        # the layers' packages: the installed release only
+            version = installed_version(defect.package)
+            if version:
+                params.append(pytest.param(defect.id, None, version, id=f"{defect.id}-installed-{version}"))
+            continue
         for label, where, version in _releases():
             params.append(pytest.param(defect.id, where, version, id=f"{defect.id}-{label}"))
     return params
@@ -51,16 +56,16 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
     elif fixed is not None and Version(version) >= Version(fixed):
         expected = 0
     else:
-        pytest.skip(f"mamba-ssm {version} predates the defect's first affected release {first}: its repro's case "
+        pytest.skip(f"{defect.package} {version} predates the defect's first affected release {first}: its repro's case "
                     f"need not mean the same there")
     if not found["has_repro"]:
         if where is None and expected == 1:
-            pytest.fail(f"the registry says the installed mamba-ssm {version} is affected, yet the example does "
+            pytest.fail(f"the registry says the installed {defect.package} {version} is affected, yet the example does "
                         f"not diverge with it: {found['why']}")
         pytest.skip(f"no repro: {found['why']}")
     run = findings.run_repro(findings.finding_dir(defect_id) / findings.REPRO_FILE, release=where)
     said = (run.stdout + run.stderr)[-3000:]
-    assert run.returncode == expected, f"mamba-ssm {version}: exit {run.returncode}, expected {expected}\n{said}"
+    assert run.returncode == expected, f"{defect.package} {version}: exit {run.returncode}, expected {expected}\n{said}"
     if expected == 0:
         assert run.stdout.rstrip().endswith("no divergence: fixed"), said
     elif found["raised"]:                     # the side raised: the repro dies of that exception, not another

@@ -462,6 +462,15 @@ def test_known_defect_reproduces(defect, device, request):
 # regime of its predicate.
 PREDICATE_CASES = [
     pytest.param("mamba-swiglu-backward-without-out-proj",
+                 Case(entry="layer", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2, d_model=10,
+                      return_final_states=False, rmsnorm_eps=1e-5, pass_="backward"),
+                 id="swiglu-backward-through-the-mamba2-layer"),
+    pytest.param("mamba-softplus-backward-nan-above-20",
+                 Case(entry="layer", seqlen=4, nheads=1, headdim=2, dstate=11, chunk_size=4, conv_width=1, d_model=2,
+                      return_final_states=False, rmsnorm_eps=1e-5, regime=Regime(decay="typical", dt_large=True),
+                      pass_="backward"),
+                 id="softplus-nan-through-the-mamba2-layers"),
+    pytest.param("mamba-swiglu-backward-without-out-proj",
                  Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
                       out_dim=3, pass_="backward"),
                  id="swiglu-out-proj-without-rmsnorm"),

@@ -15,8 +15,8 @@ from importlib import metadata
 from harness.impls.base import Capabilities, Implementation
 
 BUILTIN_MODULES = ("harness.impls.oracles", "harness.impls.mamba_ssm", "harness.impls.fla",
-                   "harness.impls.ssdiff_triton", "harness.impls.vllm",
-                   "harness.serving")
+                   "harness.impls.ssdiff_triton", "harness.impls.vllm", "harness.serving",
+                   "harness.impls.mamba_ssm_layer", "harness.impls.fla_layer", "harness.impls.transformers_layer")
 ENTRY_POINT_GROUP = "ssdiff.implementations"
 
 _registry: dict = {}

@@ -300,23 +300,28 @@ class SplitConv1dCombined(MambaImplementation):
         return Evaluation(outputs=outputs, stages=stages, notes=self.notes())
 
     def _stages(self, rel, case, t, inputs):
-        """conv (through the same causal_conv1d call the mixer makes) and the scan stages on its x, B, C."""
-        dim, g, n, h = case.dim, case.ngroups, case.dstate, case.nheads
-        with torch.no_grad():
-            zxbcdt = t["zxbcdt"].detach()
-            _, _, xBC, dt = torch.split(zxbcdt, [2 * case.d_nonssm, dim, case.conv_channels, h], dim=-1)
-            conv_fwd = getattr(rel.ssd_combined, "causal_conv1d_fwd_function", None)
-            if conv_fwd is None:
-                conv_fwd = rel.ssd_combined.causal_conv1d_cuda.causal_conv1d_fwd
-            seq_idx = inputs.seq_idx.contiguous() if inputs.seq_idx is not None else None
-            conv = conv_fwd(xBC.contiguous().transpose(1, 2), t["conv1d_weight"], t["conv1d_bias"], seq_idx, None, None,
-                            case.activation == "silu").transpose(1, 2)
-            x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
-            stages = scan_stages(rel, case, x.unflatten(-1, (h, case.headdim)), dt, t["A"],
-                                 B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)), D=t["D"],
-                                 dt_bias=t["dt_bias"], initial_states=t.get("initial_states"), seq_idx=seq_idx)
-        stages.pop("gated", None)
-        return {"conv": conv, **stages}
+        return mixer_stages(rel, case, t, inputs)
+
+
+def mixer_stages(rel: upstream.MambaRelease, case: Case, t: dict, inputs) -> dict:
+    """conv (through the causal_conv1d call the fused mixer makes) and the scan stages on its x, B, C, from
+    zxbcdt and the mixer's weights in ``t`` (conv1d_bias may be absent). Also the layer adapters' stages."""
+    dim, g, n, h = case.dim, case.ngroups, case.dstate, case.nheads
+    with torch.no_grad():
+        zxbcdt = t["zxbcdt"].detach()
+        _, _, xBC, dt = torch.split(zxbcdt, [2 * case.d_nonssm, dim, case.conv_channels, h], dim=-1)
+        conv_fwd = getattr(rel.ssd_combined, "causal_conv1d_fwd_function", None)
+        if conv_fwd is None:
+            conv_fwd = rel.ssd_combined.causal_conv1d_cuda.causal_conv1d_fwd
+        seq_idx = inputs.seq_idx.contiguous() if inputs.seq_idx is not None else None
+        conv = conv_fwd(xBC.contiguous().transpose(1, 2), t["conv1d_weight"], t.get("conv1d_bias"), seq_idx, None,
+                        None, case.activation == "silu").transpose(1, 2)
+        x, B, C = torch.split(conv, [dim, g * n, g * n], dim=-1)
+        stages = scan_stages(rel, case, x.unflatten(-1, (h, case.headdim)), dt, t["A"],
+                             B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)), D=t["D"],
+                             dt_bias=t["dt_bias"], initial_states=t.get("initial_states"), seq_idx=seq_idx)
+    stages.pop("gated", None)
+    return {"conv": conv, **stages}
 
 
 class SplitConv1dRef(MambaImplementation):

@@ -21,7 +21,8 @@ DESCRIPTIONS = {
 
 
 class OracleImplementation(Implementation):
-    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode"}), stages=oracle.STAGE_ORDER)
+    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode", "layer"}),
+                                stages=oracle.STAGE_ORDER)
 
     def __init__(self, name: str):
         self.name = name

@@ -6,6 +6,8 @@
 
 They share no code with any kernel they judge, nor with each other's scan. `evaluate` runs one on a Case.
 
+The layer entry: harness/oracle/layer.py puts in_proj (and A = -exp(A_log)) in front of the mixer.
+
 The decode entry: each order runs the decoded tokens [seqlen - decode_steps, seqlen) from the prefill's state
 (``inputs.values["state"]``, harness/inputs.py: the chunked order's state after the prefill, rounded to the
 state dtype): y at each decoded token (b, decode_steps, h, p) and the state after the last step.
@@ -20,7 +22,7 @@ import torch
 from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
-from harness.oracle import chunked, mixer, quadratic, recurrent
+from harness.oracle import chunked, layer, mixer, quadratic, recurrent
 from harness.oracle.result import STAGE_ORDER
 
 SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.chunked": chunked.scan}
@@ -35,6 +37,14 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
     scan = SCANS[name]
     if case.entry == "decode":
         return decode(scan, case, tensors)
+    if case.entry == "layer":
+        t = tensors
+        return layer.layer(
+            scan, MIXER_STYLE[name], t["u"], t["in_proj_weight"], t.get("in_proj_bias"), t["conv1d_weight"],
+            t.get("conv1d_bias"), t["dt_bias"], t["A_log"], t["D"], t.get("rmsnorm_weight"), t["outproj_weight"],
+            t.get("outproj_bias"), chunk_size=case.chunk_size, nheads=case.nheads, headdim=case.headdim,
+            ngroups=case.ngroups, dstate=case.dstate, d_nonssm=case.d_nonssm, seq_idx=seq_idx,
+            dt_limit=case.dt_limit_or_default, rmsnorm_eps=case.rmsnorm_eps, norm_before_gate=case.norm_before_gate)
     if case.entry == "chunk_scan":
         return scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
                     chunk_size=case.chunk_size, D=tensors.get("D"), z=tensors.get("z"),
