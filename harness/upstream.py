@@ -225,20 +225,30 @@ def _cached(loader):
         return err
 
 
-def mamba_ssm() -> MambaRelease:
-    """The installed mamba_ssm release (loaded once per process), or raise Unavailable."""
-    found = _cached(_load_mamba)
+def loaded(loader):
+    """What ``loader()`` loads, once per process, or raise the Unavailable it raised (remembered too)."""
+    found = _cached(loader)
     if isinstance(found, Unavailable):
         raise found
     return found
 
 
-def mamba_ssm_problem() -> Optional[str]:
+def problem(loader) -> Optional[str]:
+    """Why ``loader()`` cannot load, or None."""
     try:
-        mamba_ssm()
+        loaded(loader)
     except Unavailable as err:
         return str(err)
     return None
+
+
+def mamba_ssm() -> MambaRelease:
+    """The installed mamba_ssm release (loaded once per process), or raise Unavailable."""
+    return loaded(_load_mamba)
+
+
+def mamba_ssm_problem() -> Optional[str]:
+    return problem(_load_mamba)
 
 
 # ---- fla -------------------------------------------------------------------------------------------------

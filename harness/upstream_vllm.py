@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from harness import runtime
-from harness.upstream import Unavailable, one_line, package_without_init
+from harness.upstream import Unavailable, loaded, one_line, package_without_init, problem
 
 OPS = "vllm.model_executor.layers.mamba.ops"
 BARE_PACKAGES = ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.mamba",
@@ -282,28 +282,13 @@ def _load_vllm() -> VllmRelease:
     return VllmRelease(version=version, location=root, ops=ops, standins=standins, missing=missing)
 
 
-@functools.lru_cache(maxsize=None)
-def _cached(loader):
-    try:
-        return loader()
-    except Unavailable as err:
-        return err
-
-
 def vllm() -> VllmRelease:
     """The installed vLLM release's SSD ops (loaded once per process), or raise Unavailable."""
-    found = _cached(_load_vllm)
-    if isinstance(found, Unavailable):
-        raise found
-    return found
+    return loaded(_load_vllm)
 
 
 def vllm_problem() -> Optional[str]:
-    try:
-        vllm()
-    except Unavailable as err:
-        return str(err)
-    return None
+    return problem(_load_vllm)
 
 
 def vllm_chunk_metadata_function():

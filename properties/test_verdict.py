@@ -270,14 +270,19 @@ MIXER_CASE = Case(entry="split_conv1d", seqlen=38, nheads=1, headdim=2, ngroups=
 @pytest.mark.interpreter(reason="the false alarm is the interpreter's exact fp32 arithmetic (a GPU's fp32 dots are "
                                 "TF32, with a budget of its own)")
 def test_the_conv_and_softplus_roundings_are_in_the_mixer_budget(device):
+    assert_within_budget("mamba_ssm.split_conv1d_combined", MIXER_CASE, device)
+
+
+def assert_within_budget(name: str, case: Case, device):
+    """Implementation ``name`` is within budget on ``case`` (skipped where it cannot run)."""
     from harness.impls import get
-    impl = get("mamba_ssm.split_conv1d_combined")
+    impl = get(name)
     if impl.unavailable():
         pytest.skip(impl.unavailable())
-    inputs = materialize(MIXER_CASE, device)
-    truth = evaluate(MIXER_CASE, inputs)
-    bases = baseline.evaluate_samples(MIXER_CASE, inputs, truth, evaluate)
-    verdict = judge(impl.name, MIXER_CASE, inputs, impl.run(MIXER_CASE, inputs), truth, bases)
+    inputs = materialize(case, device)
+    truth = evaluate(case, inputs)
+    bases = baseline.evaluate_samples(case, inputs, truth, evaluate)
+    verdict = judge(impl.name, case, inputs, impl.run(case, inputs), truth, bases)
     assert verdict.ok, verdict.message()
 
 
@@ -292,12 +297,4 @@ NORM_STORE_CASE = Case(entry="split_conv1d", batch=1, seqlen=1, nheads=1, headdi
 
 @pytest.mark.parametrize("name", ["mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref", "ssdiff.triton"])
 def test_the_scan_output_stored_before_the_norm_is_in_the_mixer_budget(name, device):
-    from harness.impls import get
-    impl = get(name)
-    if impl.unavailable():
-        pytest.skip(impl.unavailable())
-    inputs = materialize(NORM_STORE_CASE, device)
-    truth = evaluate(NORM_STORE_CASE, inputs)
-    bases = baseline.evaluate_samples(NORM_STORE_CASE, inputs, truth, evaluate)
-    verdict = judge(impl.name, NORM_STORE_CASE, inputs, impl.run(NORM_STORE_CASE, inputs), truth, bases)
-    assert verdict.ok, verdict.message()
+    assert_within_budget(name, NORM_STORE_CASE, device)
