@@ -308,8 +308,12 @@ def vllm_chunk_metadata_function():
         return module.BaseMambaAttentionMetadataBuilder._compute_chunk_metadata, f"imported from {name}"
     except Exception as err:
         why = one_line(err)
-        for partial in set(sys.modules) - before:       # what the failed import left half-initialized
-            del sys.modules[partial]
+        # What the failed import left half-initialized of vllm; modules of other packages it imported (torch's
+        # among them) stay: importing one again would run its registrations twice (torch._inductor's
+        # TORCH_LIBRARY raises on that).
+        for partial in set(sys.modules) - before:
+            if partial == "vllm" or partial.startswith("vllm."):
+                del sys.modules[partial]
     with open(spec.origin, encoding="utf-8") as handle:
         tree = ast.parse(handle.read(), filename=spec.origin)
     for node in ast.walk(tree):
