@@ -78,7 +78,7 @@ class LayerImplementation(Implementation):
 
     def construction(self, case: Case) -> Construction:
         """How the module configured like ``case`` is built and called."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} must define construction()")
 
     def build(self, case: Case) -> nn.Module:
         """A fresh module configured like ``case`` (on the CPU; its parameters are replaced at every call)."""

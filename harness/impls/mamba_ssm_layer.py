@@ -117,9 +117,6 @@ class MambaLayer(MambaImplementation, LayerImplementation):
                        A=-torch.exp(t["A_log"].detach().float()), D=t["D"], dt_bias=t["dt_bias"])
         return mixer_stages(self.release, case, weights, inputs)
 
-    def kernel_modules(self) -> tuple:
-        return super().kernel_modules()
-
 
 class MambaLayerMemEff(MambaLayer):
     name = "mamba_ssm.mamba2_mem_eff"
