@@ -235,14 +235,14 @@ class Fuzzer:
             for b in tiling.boundaries(impl, cfg.device):
                 found.setdefault((b.dim, b.value, b.block), b)
         self.boundaries = tuple(found[k] for k in sorted(found))
-        # Natively, cases come from a rotating pool of compile keys (harness/pool.py; its entries only);
-        # interpreted, or for the layer entry, freely.
+        # Natively, cases come from a rotating pool of compile keys (harness/pool.py; its entries only, and only
+        # where a side has kernels to compile); interpreted, or with no kernels (a torch-only layer), freely.
         self.pool = None
         use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
         if use_pool and any(i.kernel_modules() for i in self.impls.values()) and set(self.entries) <= POOLED_ENTRIES:
             mix = cfg.pool_mix or (Mix() if cfg.bounds is None else Mix(production=0.0))
             self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
-                             seed=cfg.seed, fit=self.examiner.fit)
+                             seed=cfg.seed, fit=self.examiner.fit, backward=self.backward)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -431,19 +431,20 @@ class Fuzzer:
         if self.compiler is None:
             return
         backward = (False, True) if self.backward is None else (self.backward,)
-        self.compiler.submit([k.case(backward=b) for k in keys for b in backward])
+        self.compiler.submit(list(dict.fromkeys(k.case(backward=b) for k in keys for b in backward)))
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
         the campaign."""
         backward = (False, True) if self.backward is None else (self.backward,)
         for key in keys:
-            for b in backward:
+            # one case for both passes where the key's cases are forward only (a decoded layer)
+            for case in dict.fromkeys(key.case(backward=b) for b in backward):
                 if self._out_of_budget():
                     return False
                 choice = key.boundary.config if key.boundary is not None and self.config.autotune in (
                     "tuned", "random") else (0 if self.config.autotune == "random" else self.config.autotune)
-                if self._judge(key.case(backward=b), choice):
+                if self._judge(case, choice):
                     return True
         return False
 

@@ -7,14 +7,16 @@ autotune key (chunk size, headdim, dstate, nheads...). A case drawn freely meets
 every time: a compile of seconds (and, tuned, a benchmark of every config) for a judgement of milliseconds.
 
 So on a GPU every case of a search round is drawn from one of a few `CompileKey`s: each fixes what shapes
-the tensors (dtype, batch, nheads, ngroups, headdim, dstate, chunk size, layout, the mixer's widths), the
-class of seqlen (its 2-adic valuation up to 16, and that of its chunk count, each with "is 1") and the
-features that select a kernel variant (`FLAGS`: constexpr switches such as D per channel, z, softplus, and
-arguments passed as a tensor or None such as initial states, seq_idx, final-state gradients); seqlen within
+the tensors (dtype, batch, nheads, ngroups, headdim, dstate, chunk size, layout, the mixer's and the layer's
+widths), the class of seqlen (its 2-adic valuation up to 16, and that of its chunk count, each with "is 1"; for a
+decoded layer, of its prefill: the steps run one token each) and the features that select a kernel variant or a
+code path (`FLAGS`: constexpr switches such as D per channel, z, softplus, arguments passed as a tensor or None
+such as initial states, seq_idx, final-state gradients, and a layer's biases, norm and decoding); seqlen within
 that class, sequence lengths and padding, dt_limit's values, the value regime and the seed vary freely. After each
 round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up. Keys
-come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`) and "boundary" (one dimension
-at a block-size boundary of the implementation's configs, run with that config: harness/tiling.py).
+come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`; none for the layer entry, whose
+production slots take small keys) and "boundary" (one dimension at a block-size boundary of the implementation's
+configs, run with that config: harness/tiling.py).
 
 Under the Triton interpreter nothing compiles: there is no pool and cases are drawn freely.
 """
@@ -46,9 +48,10 @@ def seqlen_class(seqlen: int, chunk_size: int) -> tuple:
     return spec_class(seqlen) + spec_class(-(-seqlen // chunk_size))
 
 
-# Case fields that select a kernel variant without being a size (see the module docstring), by entry. "seq_idx"
-# and "dt_limit" stand for the presence of segments and of a dt_limit; varlen_states applies to forward cases
-# and final_state_grad to backward ones (the others of the key go without).
+# Case fields that select a kernel variant or a code path without being a size (see the module docstring), by
+# entry. "seq_idx" and "dt_limit" stand for the presence of segments and of a dt_limit; varlen_states applies to
+# forward cases and final_state_grad to backward ones (the others of the key go without). A layer's layer_steps
+# is pinned at its value (0: no decoding); a key with layer_steps > 0 has forward cases only.
 FLAGS = {
     "chunk_scan": ("D", "has_z", "has_dt_bias", "dt_softplus", "dt_limit", "initial_states", "seq_idx",
                    "return_final_states", "varlen_states", "final_state_grad"),
@@ -56,11 +59,11 @@ FLAGS = {
                      "activation", "rmsnorm", "norm_before_gate", "outproj_bias"),
     "decode": ("D", "has_z", "has_dt_bias", "dt_softplus", "dt_limit", "initial_states", "state_dtype",
                "state_batch_indices"),
+    "layer": ("D", "dt_limit", "seq_idx", "rmsnorm", "norm_before_gate", "bias", "conv_bias", "layer_steps"),
 }
 
 
-# The entries a pool draws keys for; a campaign over another (the layer entry, whose modules take their sizes
-# from the case's configuration) draws its cases freely.
+# The entries a pool draws keys for.
 POOLED_ENTRIES = frozenset(FLAGS)
 
 
@@ -99,6 +102,7 @@ class CompileKey:
     d_nonssm: int = 0
     out_dim: Optional[int] = None
     conv_width: int = 4
+    d_model: int = 0                         # the layer entry's model width
     boundary: Optional[Boundary] = None      # the config a boundary key runs with
     flags: tuple = ()                        # (name, value) of FLAGS[entry] (none pinned when empty)
 
@@ -106,9 +110,16 @@ class CompileKey:
     def pinned(self) -> dict:
         return dict(self.flags)
 
+    @property
+    def steps(self) -> int:
+        """The tokens its cases decode one at a time (a decoded layer's layer_steps; 0 otherwise)."""
+        return self.pinned.get("layer_steps", 0)
+
     def fits(self, seqlen: int) -> bool:
+        # the chunked kernels see the prefill (all of seqlen but the single-token steps)
+        k = self.steps
         return (self.seqlen_min <= seqlen <= self.seqlen_max
-                and seqlen_class(seqlen, self.chunk_size) == seqlen_class(self.seqlen, self.chunk_size))
+                and seqlen_class(seqlen - k, self.chunk_size) == seqlen_class(self.seqlen - k, self.chunk_size))
 
     def snap(self, seqlen: int) -> int:
         """The seqlen of the key's class nearest ``seqlen`` (the key's own when none is near)."""
@@ -125,15 +136,21 @@ class CompileKey:
                    headdim=self.headdim, dstate=self.dstate, chunk_size=self.chunk_size)
         if self.entry == "split_conv1d":
             out.update(d_nonssm=self.d_nonssm, out_dim=self.out_dim, conv_width=self.conv_width)
+        if self.entry == "layer":
+            out.update(d_model=self.d_model, d_nonssm=self.d_nonssm, conv_width=self.conv_width)
         return out
 
     def case(self, backward: bool = False):
         """The key's representative for one pass: its own seqlen, its flags (two sequences per row where it
         has seq_idx; a forward-only flag off backward and a backward-only one off forward), values at their
-        defaults."""
+        defaults. A key whose cases are forward only (a decoded layer) has its forward representative for both
+        passes."""
         from harness.case import Case, Regime
 
         fields = dict(seqlen=self.seqlen, regime=Regime(layout=self.layout), **self.fixed())
+        if self.entry == "layer":
+            fields.update(return_final_states=False, rmsnorm_eps=1e-5)     # as layer_features draws them
+        backward = backward and not self.steps
         pin = self.pinned
         for name, value in pin.items():
             if name == "seq_idx":
@@ -147,7 +164,7 @@ class CompileKey:
             fields["final_state_grad"] = bool(pin.get("final_state_grad")) and fields.get("return_final_states", True)
         else:
             fields["varlen_states"] = bool(pin.get("varlen_states")) and fields.get("segments") is not None
-        if not fields.get("rmsnorm", True):
+        if self.entry == "split_conv1d" and not fields.get("rmsnorm", True):
             fields["norm_before_gate"] = True
         if fields.get("out_dim", 0) is None:
             fields["outproj_bias"] = False
@@ -156,6 +173,8 @@ class CompileKey:
     def describe(self) -> str:
         text = (f"{self.kind} {self.entry} {self.dtype} b={self.batch} h={self.nheads} g={self.ngroups} "
                 f"p={self.headdim} n={self.dstate} Q={self.chunk_size} L~{self.seqlen} {self.layout}")
+        if self.entry == "layer":
+            text += f" d_model={self.d_model} d_nonssm={self.d_nonssm} conv{self.conv_width}"
         on = [name if value is True else f"{name}={value}" for name, value in self.flags if value is not False]
         text += f" {{{', '.join(on)}}}" if self.flags else ""
         return text + (f" [{self.boundary.describe()}]" if self.boundary else "")
@@ -189,19 +208,25 @@ class Pool:
     """The keys of the current round, for one campaign (its entries, dtypes, bounds, boundaries)."""
 
     def __init__(self, entries, dtypes, bounds: Bounds, boundaries=(), mix: Mix = Mix(),
-                 production: Production = Production(), seed: Optional[int] = None, fit=None):
+                 production: Production = Production(), seed: Optional[int] = None, fit=None,
+                 backward: Optional[bool] = None):
         """``fit(case) -> Case or None``: the case with what the implementations cannot express switched off,
         or None when they cannot run it. A key is what its fitted representative is (a key whose representative
-        cannot run is drawn again, up to 20 times), so that its cases, fitted the same way, keep its variant."""
+        cannot run is drawn again, up to 20 times), so that its cases, fitted the same way, keep its variant.
+        ``backward``: the campaign's pass (True: backward only, so no key whose cases are forward only; None:
+        mixed)."""
         self.entries, self.dtypes, self.bounds = tuple(entries), tuple(dtypes), bounds
         self.boundaries, self.mix, self.production = tuple(boundaries), mix, production
+        self.backward = backward
         self.rng = random.Random(seed)
         self.fit = fit or (lambda case: case)
         # Boundary keys take the boundaries in a shuffled cycle, so that a campaign's rotations cover them all.
         self._boundary_order = list(self.boundaries)
         self.rng.shuffle(self._boundary_order)
         self._next_boundary = 0
-        self.keys = [self.draw(kind) for kind in self._kinds(mix.size)]
+        # a slot keeps its kind through rotations (a layer key drawn for a production slot is a small key)
+        self.kinds = self._kinds(mix.size)
+        self.keys = [self.draw(kind) for kind in self.kinds]
         self.round = 0
         self._plan_next()
 
@@ -216,7 +241,7 @@ class Pool:
 
     def _plan_next(self):
         self._slot = self.rng.randrange(len(self.keys))
-        self.upcoming = self.draw(self.keys[self._slot].kind)
+        self.upcoming = self.draw(self.kinds[self._slot])
 
     def rotate(self) -> list:
         """The next round's keys: one swapped for `upcoming` (drawn a round ahead, so that it can be compiled
@@ -254,10 +279,17 @@ class Pool:
         changes["flags"] = tuple(pin.items())
         return replace(key, **changes)
 
-    def _draw_flags(self, entry: str, batch: int) -> tuple:
+    def _draw_flags(self, entry: str, batch: int, seqlen_max: int) -> tuple:
         """FLAGS[entry], drawn as the strategies draw them (harness/strategies.py)."""
         rng = self.rng
         coin = lambda: rng.random() < 0.5
+        if entry == "layer":
+            pin = dict(D=rng.choice(("head", "channel")), dt_limit=coin(), seq_idx=coin(), rmsnorm=coin())
+            pin.update(norm_before_gate=pin["rmsnorm"] and coin(), bias=coin(), conv_bias=coin())
+            # decoding is forward only and has one sequence per row; its prefill keeps a token
+            decodes = not pin["seq_idx"] and self.backward is not True and seqlen_max > 1 and coin()
+            pin["layer_steps"] = rng.randint(1, min(4, seqlen_max - 1)) if decodes else 0
+            return tuple((name, pin[name]) for name in FLAGS[entry])
         pin = {"D": rng.choice(("head", "none", "channel") if entry != "split_conv1d" else ("head", "channel"))}
         if entry != "split_conv1d":
             pin.update(has_z=coin(), has_dt_bias=coin(), dt_softplus=coin())
@@ -280,6 +312,9 @@ class Pool:
         rng, b = self.rng, self.bounds
         entry, dtype = rng.choice(self.entries), rng.choice(self.dtypes)
         boundary = None
+        if kind == "production" and entry == "layer":
+            # the float64 layer oracle, with every parameter's gradient, is too slow at model widths for a campaign
+            kind = "small"
         if kind == "production":
             prod = self.production
             headdim, dstate = rng.choice(prod.headdims), rng.choice(prod.dstates)
@@ -310,12 +345,20 @@ class Pool:
             seqlen = rng.randint(lo, hi)
         layout = rng.choice(("contiguous", "strided")) if entry == "chunk_scan" else "contiguous"
         mixer = {}
-        flags = self._draw_flags(entry, batch)
+        flags = self._draw_flags(entry, batch, hi)
         if entry == "split_conv1d":
             mixer = dict(d_nonssm=rng.choice((0, 0, 2, 3)), out_dim=rng.choice((None, rng.randint(1, 8))),
                          conv_width=rng.randint(1, 4))
             if mixer["out_dim"] is None:
                 flags = tuple((n, False if n == "outproj_bias" else v) for n, v in flags)
+        if entry == "layer":
+            d_nonssm = rng.choice((0, 0, 2, 4))
+            mixer = dict(d_nonssm=d_nonssm, d_model=rng.choice(divisors(nheads * headdim + d_nonssm)),
+                         conv_width=rng.randint(1, 4))
+            steps = dict(flags)["layer_steps"]
+            if steps:                       # every case of the key keeps a prefill of at least one token
+                lo = steps + 1
+                seqlen = seqlen if seqlen >= lo else rng.randint(lo, hi)
         return CompileKey(kind=kind, dtype=dtype, entry=entry, batch=batch, nheads=nheads, ngroups=ngroups,
                           headdim=headdim, dstate=dstate, chunk_size=chunk, layout=layout, seqlen=seqlen,
                           seqlen_min=lo, seqlen_max=hi, boundary=boundary, flags=flags, **mixer)

@@ -147,15 +147,19 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str, pi
 
 
 @st.composite
-def layer_features(draw, nheads: int, headdim: int) -> dict:
+def layer_features(draw, nheads: int, headdim: int, key=None) -> dict:
     """The layer's own configuration: d_conv, the SwiGLU branch (d_ssm < d_inner), d_model (a divisor of
-    d_inner, so expand is an integer), the gated RMSNorm (Mamba-2's eps 1e-5), biases."""
-    d_nonssm = draw(st.sampled_from((0, 0, 2, 4)))
+    d_inner, so expand is an integer), the gated RMSNorm (Mamba-2's eps 1e-5), biases; a ``key`` fixes the
+    widths (d_model, d_nonssm, conv width) and its flags."""
+    pin = key.pinned if key else None
+    d_nonssm = key.d_nonssm if key else draw(st.sampled_from((0, 0, 2, 4)))
     d_inner = nheads * headdim + d_nonssm
-    out = dict(conv_width=draw(st.integers(1, 4)), d_nonssm=d_nonssm,
-               d_model=draw(st.sampled_from(divisors(d_inner))), rmsnorm=draw(st.booleans()),
-               rmsnorm_eps=1e-5, bias=draw(st.booleans()), conv_bias=draw(st.booleans()))
-    out["norm_before_gate"] = out["rmsnorm"] and draw(st.booleans())
+    out = dict(conv_width=key.conv_width if key else draw(st.integers(1, 4)), d_nonssm=d_nonssm,
+               d_model=key.d_model if key else draw(st.sampled_from(divisors(d_inner))),
+               rmsnorm=draw(_pinned(pin, "rmsnorm", st.booleans())), rmsnorm_eps=1e-5,
+               bias=draw(_pinned(pin, "bias", st.booleans())), conv_bias=draw(_pinned(pin, "conv_bias", st.booleans())))
+    out["norm_before_gate"] = draw(_pinned(pin, "norm_before_gate",
+                                           st.booleans() if out["rmsnorm"] else st.just(False)))
     return out
 
 
@@ -204,10 +208,12 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     if entry == "decode":
         fields.update(draw(decode_features(shape["seqlen"], dtypes, pin=pin)))
     if entry == "layer":
-        fields.update(draw(layer_features(shape["nheads"], shape["headdim"])))
+        fields.update(draw(layer_features(shape["nheads"], shape["headdim"], key)))
         layouts = ("contiguous",)                       # a layer's input is one contiguous tensor
     fields["regime"] = draw(regimes(layouts))
-    do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode"
+    # a key that pins decoding (layer_steps > 0) has forward cases only, whatever ``backward`` asks
+    steps = (pin or {}).get("layer_steps")
+    do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode" and not steps
     if do_backward:
         fields["pass_"] = "backward"
         fields["final_state_grad"] = fields["return_final_states"] and draw(_pinned(pin, "final_state_grad",
@@ -215,8 +221,10 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
           and draw(_pinned(pin, "varlen_states", st.booleans()))):
         fields["varlen_states"] = True
-    elif entry == "layer" and "segments" not in fields and shape["seqlen"] > 1 and draw(st.booleans()):
-        # decode the last tokens through the layer's step() and its cache (forward, one sequence per row)
-        fields["layer_steps"] = draw(st.integers(1, min(4, shape["seqlen"] - 1)))
+    elif entry == "layer" and "segments" not in fields and shape["seqlen"] > 1 and (
+            draw(st.booleans()) if steps is None else steps):
+        # decode the last tokens through the layer's step() and its cache (forward, one sequence per row; a key
+        # pins how many, and its seqlen leaves a prefill)
+        fields["layer_steps"] = steps or draw(st.integers(1, min(4, shape["seqlen"] - 1)))
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from harness import doubles, tiling
 from harness.case import Case
+from harness.examine import Examiner
 from harness.fuzz import FuzzConfig, Fuzzer
 from harness.impls import get
-from harness.pool import FLAGS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
+from harness.pool import FLAGS, KINDS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
 from harness.strategies import Bounds, cases, maybe_boundary
 
 TILING_BUG = "harness.doubles:tiling_bug"
@@ -139,3 +140,99 @@ def test_snap_finds_the_nearest_seqlen_of_the_class():
     assert seqlen_class(40, 16) == seqlen_class(key.snap(41), 16)
     assert key.snap(40) == 40 and key.snap(1) != 1
     assert Case(seqlen=key.snap(299)).seqlen <= 300
+
+
+# ---- the compile pool: the layer entry -------------------------------------------------------------------------
+
+LAYER_BOUNDS = Bounds(max_seqlen=300, max_headdim=64, max_dstate=64, max_nheads=12)
+
+
+def layer_pool(seed=0, **kw) -> Pool:
+    """A pool as a GPU layer campaign builds it."""
+    return Pool(("layer",), ("float32", "bfloat16"), LAYER_BOUNDS,
+                tiling.boundaries(get("mamba_ssm.mamba2_no_mem_eff"), "cuda"), seed=seed, **kw)
+
+
+def layer_keys(pool: Pool, count: int = 8) -> list:
+    return [pool.draw(kind) for _ in range(count) for kind in KINDS]
+
+
+def test_a_layer_key_fixes_the_widths_and_the_flags_and_keeps_seqlen_in_its_class():
+    keys = layer_keys(layer_pool(seed=1), 4)
+    assert {k.steps > 0 for k in keys} == {False, True}       # decoded keys and others among them
+    for key in keys:
+        assert tuple(n for n, _ in key.flags) == FLAGS["layer"] and flags_of(key.case()) == key.flags
+
+        @settings(max_examples=15)
+        @given(cases(key=key, backward=None))
+        def drawn(case):
+            fixed = key.fixed()
+            assert {"d_model", "d_nonssm", "conv_width"} <= set(fixed)
+            assert {k: getattr(case, k) for k in fixed} == fixed and case.regime.layout == key.layout
+            assert key.fits(case.seqlen), (key.describe(), case.seqlen)
+            assert flags_of(case) == key.flags, (key.describe(), case.describe())   # every layer flag, either pass
+        drawn()
+
+
+def test_a_decoded_layer_key_yields_forward_cases_without_segments():
+    """Decoding is forward only, one sequence per row: a key with layer_steps > 0 draws only such cases, and its
+    representative is the same for both passes (the fuzzer judges it once)."""
+    decoded = [k for k in layer_keys(layer_pool(seed=2), 8) if k.steps]
+    assert decoded
+    for key in decoded:
+        assert not key.pinned["seq_idx"] and key.seqlen_min > key.steps
+        assert key.case(backward=True) == key.case() and not key.case().backward
+
+        @settings(max_examples=15)
+        @given(cases(key=key, backward=None), cases(key=key, backward=True))
+        def drawn(mixed, backward):
+            for case in (mixed, backward):
+                assert not case.backward and case.segments is None and case.layer_steps == key.steps
+                # the prefill (what the chunked kernels see) keeps the key's class
+                prefill = case.seqlen - case.layer_steps
+                assert prefill >= 1 and seqlen_class(prefill, key.chunk_size) == \
+                    seqlen_class(key.seqlen - key.steps, key.chunk_size)
+        drawn()
+    # a backward-only campaign draws no decoded key
+    assert not any(k.steps for k in layer_keys(layer_pool(seed=2, backward=True), 8))
+
+
+def test_a_layer_campaigns_production_slots_take_small_keys():
+    pool = layer_pool(seed=3, mix=Mix(size=4, production=0.5, boundary=0.25))
+    assert sorted(pool.kinds) == ["boundary", "production", "production", "small"]
+    for _ in range(6):
+        keys = pool.rotate()
+        assert sorted(k.kind for k in keys) == ["boundary", "small", "small", "small"]
+        assert all(k.nheads <= LAYER_BOUNDS.max_nheads and k.seqlen_max <= LAYER_BOUNDS.max_seqlen
+                   for k in keys if k.kind == "small")
+
+
+def test_a_layer_key_is_what_the_examiners_fit_leaves(device):
+    """mamba_ssm's Mamba2 (conv channels % 8) against fla's (no SwiGLU branch, no seq_idx, no decoding): each
+    key's representative is a valid Case that fitting leaves as it is, and cases drawn from the key keep its
+    widths and flags once fitted."""
+    with Examiner(["mamba_ssm.mamba2_no_mem_eff", "fla.mamba2_triton"], device) as examiner:
+        pool = layer_pool(seed=4, fit=examiner.fit)
+        for key in layer_keys(pool, 3):
+            rep = key.case()
+            assert Case.from_json(rep.to_json()) == rep and examiner.fit(rep) == rep, key.describe()
+            assert key.d_nonssm == 0 and not key.pinned["seq_idx"] and key.steps == 0
+            assert rep.conv_channels % 8 == 0, key.describe()
+
+            @settings(max_examples=5)
+            @given(cases(key=key, backward=None))
+            def drawn(case):
+                fitted = examiner.fit(case)
+                assert fitted is not None and flags_of(fitted) == key.flags, (key.describe(), case.describe())
+                assert {k: getattr(fitted, k) for k in key.fixed()} == key.fixed()
+            drawn()
+
+
+def test_a_layer_campaign_pools_only_where_a_side_has_kernels(tmp_path, device):
+    """A layer with Triton kernels gets compile keys; a torch-only layer (no kernel to compile) draws freely."""
+    def fuzzer(impl):
+        return Fuzzer(FuzzConfig(impl=impl, device=device, entry="layer", max_examples=1, pool=True,
+                                 compile_ahead=False, dtypes=("float32",), report_dir=None, out_dir=str(tmp_path)))
+    pooled = fuzzer("mamba_ssm.mamba2_no_mem_eff").pool
+    assert pooled is not None and {k.entry for k in pooled.keys} == {"layer"}
+    assert fuzzer("fla.mamba2_torch").pool is None
