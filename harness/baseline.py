@@ -531,15 +531,16 @@ NEIGHBOURS = 2
 
 
 def neighbour(inputs: Inputs, k: int) -> Inputs:
-    """``inputs`` with every floating value moved by one random +-2u step of its dtype and rounded to it."""
-    gen = torch.Generator().manual_seed(104729 * k)
+    """``inputs`` with every floating value moved by one random +-2u step of its dtype and rounded to it (the
+    signs drawn where the values are, as a sample's)."""
+    signs = Signs(104729 * k)
     values = {}
     for name, value in inputs.values.items():
         dtype = inputs.dtypes.get(name, torch.float64)
         if not value.is_floating_point():
             values[name] = value
             continue
-        sign = torch.randint(0, 2, value.shape, generator=gen, dtype=torch.int8).to(value.device, value.dtype) * 2 - 1
+        sign = signs.like(value)
         u = torch.finfo(dtype).eps / 2
         values[name] = (value * (1 + 2 * u * sign)).to(dtype).to(value.dtype)
     return dataclasses.replace(inputs, values=values)

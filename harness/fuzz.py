@@ -45,6 +45,8 @@ PASSES = ("forward", "backward", "mixed")
 def at_production_shape(case) -> bool:
     """A case at the shapes models run (the throughput figure's production share)."""
     return case.seqlen >= 2048 and case.dstate >= 128
+
+
 ROUND_EXAMPLES = 100
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
 
@@ -132,6 +134,8 @@ class FuzzReport:
     search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
     setup_s: float = 0.0                               # before the search: imports, loading the implementations
     production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
+    # where the judged cases' time went, by shape ("production" / "other"): [cases, examine s, kernel runs s]
+    case_seconds: dict = field(default_factory=dict)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
 
@@ -142,11 +146,17 @@ class FuzzReport:
     def throughput(self) -> dict:
         """Cases judged per minute of search, and the time to the first one."""
         minutes = self.search_s / 60.0
+        per_case = {kind: {"cases": n, "examine_s": round(examine / n, 4), "kernels_s": round(kernels / n, 4)}
+                    for kind, (n, examine, kernels) in sorted(self.case_seconds.items())}
+        examined = sum(examine for _, examine, _ in self.case_seconds.values())
         return {"judged": self.tried, "skipped": self.skipped,
                 "judged_per_minute": round(self.tried / minutes, 1) if minutes > 0 else None,
                 "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
                 "setup_s": round(self.setup_s, 2),
-                "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases}
+                "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases,
+                # examine: inputs, oracle, baseline, the sides' runs (compiling and tuning included) and verdicts;
+                # the rest of search_s is drawing, fitting and the search's own work
+                "examine_s": round(examined, 2), "per_case": per_case}
 
     def summary(self) -> dict:
         cfg = self.config
@@ -408,7 +418,12 @@ class Fuzzer:
         self.report.tried += 1
         if self.report.first_judged_s is None:
             self.report.first_judged_s = self._elapsed()
-        self.report.production_cases += at_production_shape(fitted)
+        production = at_production_shape(fitted)
+        self.report.production_cases += production
+        tally = self.report.case_seconds.setdefault("production" if production else "other", [0, 0.0, 0.0])
+        tally[0] += 1
+        tally[1] += outcome.seconds
+        tally[2] += sum(v.seconds for v in outcome.verdicts.values())
         explained = self._note_known(outcome)
         self._note_ratios(outcome, explained)
         if self.observe is not None:

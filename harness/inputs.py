@@ -21,6 +21,7 @@ to state slots through ``state_indices`` (a permutation drawn from the seed) whe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,6 +35,11 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Pre-softplus mean of dt and the range of |A| per decay regime (see SPEC.md section 6).
 _DT_CENTER = {"none": -3.0, "mild": -3.0, "typical": -3.0, "strong": 0.5}
 _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "strong": (30.0, 60.0)}
+# A tensor of more elements is drawn in blocks of this many, each from its own generator seeded from the case's,
+# on several threads: one generator is sequential, and a production-shape case (tens of millions of elements)
+# took longer to draw than to judge. Smaller tensors (every case a CPU campaign draws) come from the case's
+# generator itself.
+_DRAW_BLOCK = 2 ** 20
 
 CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight",
@@ -151,22 +157,41 @@ def draw(case) -> tuple:
     """The float64 values of every input (rounded once through its dtype), their dtypes, and the cotangents
     of backward cases: (values, dtypes, grad_outputs), drawn on the CPU from ``case.seed``.
 
-    Self-contained on purpose (torch, math and this module's constants only; ``case`` may be any object with
+    Self-contained on purpose (torch, math, os and this module's constants only; ``case`` may be any object with
     the Case's attributes): repro.py files inline this very function, so a repro sees the numbers ssdiff saw.
     """
     gen = torch.Generator().manual_seed(case.seed)
     act = TORCH_DTYPES[case.dtype]
     r = case.regime
 
+    def sample(fill, shape, dtype=torch.float64):
+        """``fill(out, generator)`` over a new tensor of ``shape``: from ``gen``, or blockwise (_DRAW_BLOCK)."""
+        count = math.prod(shape)
+        out = torch.empty(count, dtype=dtype)
+        if count <= _DRAW_BLOCK:
+            fill(out, gen)
+            return out.reshape(shape)
+        from concurrent.futures import ThreadPoolExecutor
+
+        seeds = torch.randint(0, 2 ** 62, (-(-count // _DRAW_BLOCK),), generator=gen).tolist()
+        blocks = [(out[i * _DRAW_BLOCK:(i + 1) * _DRAW_BLOCK], torch.Generator().manual_seed(s))
+                  for i, s in enumerate(seeds)]
+        with ThreadPoolExecutor(max_workers=min(8, len(blocks), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda block: fill(*block), blocks))
+        return out.reshape(shape)
+
     def normal(*shape, std=1.0, mean=0.0):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64) * std + mean
+        return sample(lambda out, g: torch.randn(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
+            * std + mean
 
     def uniform(*shape, lo=0.0, hi=1.0):
-        return torch.rand(*shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo
+        return sample(lambda out, g: torch.rand(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
+            * (hi - lo) + lo
 
     def values(*shape):
         if r.values == "integer":
-            return torch.randint(-2, 3, shape, generator=gen).to(torch.float64)
+            return sample(lambda out, g: torch.randint(-2, 3, out.shape, generator=g, out=out), shape,
+                          torch.int64).to(torch.float64)
         return normal(*shape) * r.scale
 
     b, L, h, p, g, n = case.batch, case.seqlen, case.nheads, case.headdim, case.ngroups, case.dstate

@@ -5,7 +5,8 @@ host: LLVM, ptxas, the launcher stub); a tuned first case of mamba_chunk_scan_co
 over a hundred variants — every config of every kernel. `Compiler` runs each compile key's representative case
 (harness/pool.py, `CompileKey.case`) in worker processes, one job per autotune config index the campaign's
 policy will launch ("tuned" benchmarks them all), so the variants land in Triton's on-disk cache
-(TRITON_CACHE_DIR, ~/.triton/cache) and the campaign's own process loads them instead of compiling. A job
+(TRITON_CACHE_DIR, ~/.triton/cache) and the campaign's own process loads them instead of compiling; under
+"tuned" one more job per case benchmarks the configs, so that the autotune results are on disk too. A job
 that fails is reported and otherwise ignored: the campaign's own run of that case is what is judged.
 Workers are spawned processes: a script that runs a campaign at import time needs the usual
 ``if __name__ == "__main__":`` guard (the CLI and pytest have it).
@@ -55,8 +56,11 @@ def _compile_case(spec: str, case_json: str, choice, device: str) -> tuple:
 
 
 def default_workers() -> int:
-    """The host's cores but one, shared among the processes of a pytest-xdist run (PYTEST_XDIST_WORKER_COUNT):
-    eight test workers, each a campaign with a worker per core, would put 128 compilers on 16 cores."""
+    """SSDIFF_COMPILE_WORKERS where set (campaigns run side by side on one host); else the host's cores but one,
+    shared among the processes of a pytest-xdist run (PYTEST_XDIST_WORKER_COUNT): eight test workers, each a
+    campaign with a worker per core, would put 128 compilers on 16 cores."""
+    if os.environ.get("SSDIFF_COMPILE_WORKERS"):
+        return max(1, int(os.environ["SSDIFF_COMPILE_WORKERS"]))
     share = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
     return max(1, min(16, ((os.cpu_count() or 2) - 1) // share))
 
@@ -67,6 +71,7 @@ class Compiler:
     def __init__(self, sides: dict, device: str, autotune, workers: Optional[int] = None):
         self.sides, self.device = sides, device
         self.indices = config_indices(sides.values(), autotune)
+        self.tune = autotune == "tuned"
         self.workers = workers or default_workers()
         self._executor = None
         self.futures: list = []
@@ -83,6 +88,10 @@ class Compiler:
                     continue
                 for index in self.indices:
                     queued.append(self._executor.submit(_compile_case, spec, case.to_json(), index, self.device))
+                if self.tune:
+                    # last: by the time a worker takes it most configs are on disk, and its benchmark results
+                    # go there too (TRITON_CACHE_AUTOTUNING), so the campaign loads them instead of tuning
+                    queued.append(self._executor.submit(_compile_case, spec, case.to_json(), "tuned", self.device))
         self.futures += queued
         return queued
 

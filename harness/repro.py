@@ -136,7 +136,7 @@ def _standins_source() -> str:
 
 def _draw_source() -> str:
     consts = "\n".join(f"{name} = {pprint.pformat(getattr(inputs_module, name))}"
-                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE"))
+                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK"))
     return consts + "\n\n\n" + inspect.getsource(inputs_module.draw)
 
 
