@@ -255,8 +255,9 @@ DEFECTS += (
         example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, has_dt_bias=False)),
 )
 
-# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; earlier ones
-# not): each layer's plain-torch path groups heads differently from mamba_ssm's Mamba2 and kernels.
+# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; the norm's
+# grouping also measured in transformers 5.17.0, on an H200; earlier ones not): each layer's plain-torch path groups
+# heads differently from mamba_ssm's Mamba2 and kernels.
 LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
 
 DEFECTS += (
@@ -272,7 +273,7 @@ DEFECTS += (
         example=Case(**LAYER, seqlen=4, nheads=4, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=8)),
     KnownDefect(
         id="transformers-mamba2-norm-ignores-groups",
-        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.17.0", None),
         applies=lambda c: c.entry == "layer" and c.ngroups > 1 and c.rmsnorm,
         statement="transformers' Mamba2Mixer without hub kernels normalizes its gated RMSNorm (MambaRMSNormGated) "
                   "over all intermediate_size channels instead of per group of intermediate_size // n_groups, as "
