@@ -89,3 +89,19 @@ def test_inputs_are_deterministic_and_rounded_once(device, case):
     if case.regime.layout == "strided" and case.entry == "chunk_scan":
         bases = {t.untyped_storage().data_ptr() for n, t in native.items() if n in a.wide_order}
         assert len(bases) == 1, "strided inputs must be views of one wide tensor"
+
+
+def test_a_tensor_over_the_draw_block_is_drawn_blockwise_deterministically_and_without_repeats():
+    """x of just over _DRAW_BLOCK elements (1 x 1025 x 16 x 64) comes from one generator per block: the same
+    numbers every time, no block a copy of another, normal in the whole and in the last (partial) block."""
+    from harness.inputs import _DRAW_BLOCK, draw
+
+    case = Case(seqlen=1025, nheads=16, headdim=64, dstate=2, chunk_size=64)
+    x = draw(case)[0]["x"].flatten()
+    assert x.numel() > _DRAW_BLOCK
+    assert torch.equal(x, draw(case)[0]["x"].flatten())
+    first, second = x[:_DRAW_BLOCK], x[_DRAW_BLOCK:]
+    assert not torch.equal(first[:second.numel()], second)
+    for part in (x, second):
+        assert abs(part.mean().item()) < 5 / part.numel() ** 0.5
+        assert abs(part.std().item() - 1.0) < 0.05
