@@ -147,18 +147,18 @@ def test_snap_finds_the_nearest_seqlen_of_the_class():
 LAYER_BOUNDS = Bounds(max_seqlen=300, max_headdim=64, max_dstate=64, max_nheads=12)
 
 
-def layer_pool(seed=0, **kw) -> Pool:
-    """A pool as a GPU layer campaign builds it."""
+def layer_pool(device, seed=0, **kw) -> Pool:
+    """A pool as a layer campaign on ``device`` builds it, with GPU bounds."""
     return Pool(("layer",), ("float32", "bfloat16"), LAYER_BOUNDS,
-                tiling.boundaries(get("mamba_ssm.mamba2_no_mem_eff"), "cuda"), seed=seed, **kw)
+                tiling.boundaries(get("mamba_ssm.mamba2_no_mem_eff"), device), seed=seed, **kw)
 
 
 def layer_keys(pool: Pool, count: int = 8) -> list:
     return [pool.draw(kind) for _ in range(count) for kind in KINDS]
 
 
-def test_a_layer_key_fixes_the_widths_and_the_flags_and_keeps_seqlen_in_its_class():
-    keys = layer_keys(layer_pool(seed=1), 4)
+def test_a_layer_key_fixes_the_widths_and_the_flags_and_keeps_seqlen_in_its_class(device):
+    keys = layer_keys(layer_pool(device, seed=1), 4)
     assert {k.steps > 0 for k in keys} == {False, True}       # decoded keys and others among them
     for key in keys:
         assert tuple(n for n, _ in key.flags) == FLAGS["layer"] and flags_of(key.case()) == key.flags
@@ -174,10 +174,10 @@ def test_a_layer_key_fixes_the_widths_and_the_flags_and_keeps_seqlen_in_its_clas
         drawn()
 
 
-def test_a_decoded_layer_key_yields_forward_cases_without_segments():
+def test_a_decoded_layer_key_yields_forward_cases_without_segments(device):
     """Decoding is forward only, one sequence per row: a key with layer_steps > 0 draws only such cases, and its
     representative is the same for both passes (the fuzzer judges it once)."""
-    decoded = [k for k in layer_keys(layer_pool(seed=2), 8) if k.steps]
+    decoded = [k for k in layer_keys(layer_pool(device, seed=2), 8) if k.steps]
     assert decoded
     for key in decoded:
         assert not key.pinned["seq_idx"] and key.seqlen_min > key.steps
@@ -194,11 +194,11 @@ def test_a_decoded_layer_key_yields_forward_cases_without_segments():
                     seqlen_class(key.seqlen - key.steps, key.chunk_size)
         drawn()
     # a backward-only campaign draws no decoded key
-    assert not any(k.steps for k in layer_keys(layer_pool(seed=2, backward=True), 8))
+    assert not any(k.steps for k in layer_keys(layer_pool(device, seed=2, backward=True), 8))
 
 
-def test_a_layer_campaigns_production_slots_take_small_keys():
-    pool = layer_pool(seed=3, mix=Mix(size=4, production=0.5, boundary=0.25))
+def test_a_layer_campaigns_production_slots_take_small_keys(device):
+    pool = layer_pool(device, seed=3, mix=Mix(size=4, production=0.5, boundary=0.25))
     assert sorted(pool.kinds) == ["boundary", "production", "production", "small"]
     for _ in range(6):
         keys = pool.rotate()
@@ -212,7 +212,7 @@ def test_a_layer_key_is_what_the_examiners_fit_leaves(device):
     key's representative is a valid Case that fitting leaves as it is, and cases drawn from the key keep its
     widths and flags once fitted."""
     with Examiner(["mamba_ssm.mamba2_no_mem_eff", "fla.mamba2_triton"], device) as examiner:
-        pool = layer_pool(seed=4, fit=examiner.fit)
+        pool = layer_pool(device, seed=4, fit=examiner.fit)
         for key in layer_keys(pool, 3):
             rep = key.case()
             assert Case.from_json(rep.to_json()) == rep and examiner.fit(rep) == rep, key.describe()
