@@ -116,11 +116,22 @@ class Signs:
         return torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=torch.int8).to(t.dtype) * 2 - 1
 
 
+# Half the spacing of the subnormals, where they matter: below float16's smallest normal (6.1e-5) a rounding errs
+# by up to 2^-25 whatever the value, not by u |t| (a gradient of a few 1e-6 held in float16 keeps a few bits).
+# bfloat16 and float32 share float32's range: their subnormals sit far below any value a case produces.
+SUBNORMAL_HALF_SPACING = {"float16": 2.0 ** -25}
+
+
 def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Tensor:
-    """``t`` times (1 +- u) with an independent random sign per element (u: the precision's unit roundoff)."""
+    """``t`` moved by one rounding error with an independent random sign per element: u |t| (u: the precision's
+    unit roundoff), or half the subnormal spacing where that is larger."""
     if gen is None:
         return t
-    return t * (1.0 + UNIT[precision] * gen.like(t))
+    step = UNIT[precision] * t.abs()
+    floor = SUBNORMAL_HALF_SPACING.get(precision)
+    if floor is not None:
+        step = torch.clamp(step, min=floor)
+    return t + step * gen.like(t)
 
 
 class _Round(torch.autograd.Function):

@@ -298,3 +298,27 @@ NORM_STORE_CASE = Case(entry="split_conv1d", batch=1, seqlen=1, nheads=1, headdi
 @pytest.mark.parametrize("name", ["mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref", "ssdiff.triton"])
 def test_the_scan_output_stored_before_the_norm_is_in_the_mixer_budget(name, device):
     assert_within_budget(name, NORM_STORE_CASE, device)
+
+
+# Found by a CPU fuzz of fla's Mamba2.torch_forward (0.6.0; float16, backward): the gradient of in_proj_weight was
+# 1.11x its budget at one element of 119 (-1.49e-6 for -1.85e-6), with a relative RMS error a quarter of the
+# baseline's. The gradient reaching zxbcdt, held in float16, was a few 1e-7: subnormal, where a rounding errs by up
+# to 2^-25 whatever the value, and the samples' relative perturbation (u |t|) never moved it. Each sample now moves
+# a value by half the subnormal spacing where that is larger.
+SUBNORMAL_CASE = Case(entry="layer", seqlen=1, nheads=1, headdim=7, ngroups=1, dstate=1, chunk_size=8,
+                      dtype="float16", D="channel", dt_limit=(0.001, 0.05), return_final_states=False,
+                      conv_width=1, rmsnorm=True, norm_before_gate=False, rmsnorm_eps=1e-5, d_model=7,
+                      conv_bias=False, regime=Regime(decay="typical", dt_large=True, scale=4.0), pass_="backward",
+                      seed=1)
+
+
+def test_float16_subnormal_gradients_are_in_the_layer_budget(device):
+    assert_within_budget("fla.mamba2_torch", SUBNORMAL_CASE, device)
+
+
+def test_a_sample_moves_a_float16_subnormal_by_half_its_spacing():
+    t = torch.tensor([1.5e-6, -3e-7, 0.0, 1.0], dtype=torch.float32)
+    moved = baseline._perturb(t, "float16", baseline.Signs(1))
+    assert torch.equal((moved - t)[:3].abs(), torch.full((3,), 2.0 ** -25))
+    assert float((moved[3] - 1).abs()) == 2.0 ** -11                  # a normal value: u |t|, as before
+    assert torch.equal(baseline._perturb(t, "bfloat16", baseline.Signs(1))[2:3], t[2:3])   # no floor in bf16

@@ -4,7 +4,8 @@
                        used wherever causal_conv1d is absent), mamba_ssm's mamba_chunk_scan_combined, fla's gated
                        RMSNorm, out_proj
     fla.mamba2_fused   cuda_kernels_forward in training mode: mamba_ssm's mamba_split_conv1d_scan_combined
-    fla.mamba2_torch   torch_forward: the layer in plain torch (what forward() runs off a GPU)
+    fla.mamba2_torch   torch_forward: the layer in torch around fla's Triton swish and gated RMSNorm (what
+                       forward() runs off a GPU or without mamba_ssm)
 
 Built with the case's configuration (num_heads, head_dim, hidden_size = d_model, state_size, expand, n_groups,
 conv_kernel, use_conv_bias, D_has_hdim, rmsnorm, norm_before_gate, dt_limit, use_bias, norm_eps, chunk_size)
@@ -31,6 +32,10 @@ from harness.impls.mamba_ssm import conv_channels_8, mixer_stages
 
 MODULE = "fla.layers.mamba2"
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+# fla's own Triton kernels, launched by every path (torch_forward too): the activation (ACT2FN["silu"], fla's
+# swish, autotuned over 30 configs per width) and the gated RMSNorm. Natively they compile per conv width and
+# norm group size, so the campaign draws from the compile pool and compiles them ahead (harness/pool.py).
+FLA_KERNELS = ("fla.modules.activations.", "fla.modules.norm.layernorm_gated")
 
 
 # What fla.layers.mamba2 imports from mamba_ssm when its module loads (inside try/except ImportError).
@@ -109,11 +114,11 @@ class FlaLayer(LayerImplementation):
         return super().skip_reason(case, device)
 
     def kernel_modules(self) -> tuple:
-        if self.path == "torch" or self.unavailable():
+        if self.unavailable():
             return ()
         import sys
-        return tuple(m for name, m in sorted(sys.modules.items())
-                     if name.startswith(("mamba_ssm.ops.triton.", "fla.modules.conv")))
+        prefixes = FLA_KERNELS + (("mamba_ssm.ops.triton.", "fla.modules.conv") if self.path != "torch" else ())
+        return tuple(m for name, m in sorted(sys.modules.items()) if name.startswith(prefixes))
 
     def construction(self, case: Case) -> Construction:
         return Construction(MODULE, "Mamba2", dict(
@@ -161,7 +166,8 @@ class FlaLayerFused(FlaLayer):
 
 class FlaLayerTorch(FlaLayer):
     name = "fla.mamba2_torch"
-    description = "fla Mamba2 layer, torch_forward (plain torch; what forward() runs off a GPU); fwd + bwd"
+    description = ("fla Mamba2 layer, torch_forward (torch around fla's Triton swish and gated RMSNorm; what forward() runs "
+                   "off a GPU or without mamba_ssm); fwd + bwd")
     path = "torch"
     method = "torch_forward"
 
