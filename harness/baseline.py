@@ -127,11 +127,12 @@ def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Ten
     unit roundoff), or half the subnormal spacing where that is larger."""
     if gen is None:
         return t
-    step = UNIT[precision] * t.abs()
+    signs = gen.like(t)
+    moved = t * (1.0 + UNIT[precision] * signs)
     floor = SUBNORMAL_HALF_SPACING.get(precision)
-    if floor is not None:
-        step = torch.clamp(step, min=floor)
-    return t + step * gen.like(t)
+    if floor is None:
+        return moved
+    return torch.where(UNIT[precision] * t.abs() >= floor, moved, t + floor * signs)
 
 
 class _Round(torch.autograd.Function):

@@ -354,7 +354,7 @@ def cmd_minimize(args) -> int:
               highlight=False, soft_wrap=True)
     try:
         result = minimize(case, impl, against, device=args.device, out_dir=args.out or path.parent, on_step=on_step,
-                          max_runs=args.max_runs, isolate=args.isolate)
+                          max_runs=args.max_runs, isolate=args.isolate, choice=args.autotune)
     except NotDiverging as exc:
         console.print(f"nothing to minimize: {exc}", highlight=False, soft_wrap=True)
         return 0
@@ -384,7 +384,7 @@ def cmd_replay(args) -> int:
     path = Path(args.case)
     case = Case.load(path)
     impl, against = _sides_for(args, path)
-    outcome = replay(case, impl, against, device=args.device, isolate=args.isolate)
+    outcome = replay(case, impl, against, device=args.device, choice=args.autotune, isolate=args.isolate)
     console.print(case.describe(), highlight=False, soft_wrap=True)
     for v in outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
@@ -401,6 +401,15 @@ def cmd_replay(args) -> int:
         console.print("reproduces the stored verdict exactly" if same else "DIFFERS from the stored verdict",
                       highlight=False)
     return 1 if outcome.diverged else 0
+
+
+def _config_choice(text: str):
+    """--autotune of replay and minimize: "tuned" or a non-negative config index."""
+    if text == "tuned":
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected 'tuned' or a config index (0, 1, ...), got {text!r}")
 
 
 def cmd_known(args) -> int:
@@ -424,8 +433,7 @@ def cmd_known(args) -> int:
         installed = f"{d.package} {version} {'affected' if d.affects(version) else 'not affected'}" if version \
             else f"{d.package} not installed"
         console.print(f"{d.id} ({d.status}): {', '.join(d.implementations)}; {d.releases}; {installed}\n"
-                      f"  {d.statement}\n  reproduce: ssdiff known --case {d.id} > case.json && "
-                      f"ssdiff replay case.json --impl {d.implementations[0]}", highlight=False, markup=False,
+                      f"  {d.statement}\n  reproduce: {d.replay_command()}", highlight=False, markup=False,
                       soft_wrap=True)
     return 0
 
@@ -462,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--against", help="the other side (default: the float64 oracle, or the recorded side)")
         p.add_argument("--device", default=None)
         p.add_argument("--isolate", action="store_true", help="run implementations in a child process")
+        p.add_argument("--autotune", default="tuned", type=_config_choice, metavar="CHOICE",
+                       help="tuned (default), or an index N: every autotuned kernel runs config N %% its count (a "
+                            "divergence that depends on the config)")
         if name == "minimize":
             p.add_argument("--out", help="output folder (default: the case's folder)")
             p.add_argument("--max-runs", type=int, default=300, help="at most this many candidate runs")

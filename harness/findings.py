@@ -182,6 +182,49 @@ DRAFTS = {
                   "eps=...)`.",
         call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
         needs="torch and transformers"),
+    "mamba-ragged-chunk-final-state-decay": Draft(
+        title="mamba_chunk_scan_combined: final_states off by ~1.6% in float32 when the sequence ends inside a "
+              "chunk under strong decay (the chunk-state kernel reads dA_cumsum at chunk_size - 1)",
+        should="A token's share of the final state is scaled by exp(dA_cumsum[last token] - dA_cumsum[t]): exactly "
+               "1 for the last token. The chunk's total should be read at the last valid position "
+               "(chunk_size_limit - 1), or the cumsum past the end should be the last token's value bit for bit.",
+        code_path="`mamba_ssm/ops/triton/ssd_chunk_state.py`: `_chunk_state_fwd_kernel` loads `dA_cs_last` at "
+                  "`(chunk_size - 1) * stride_dA_cs_csize` for every chunk, the last, ragged one too; "
+                  "`_chunk_cumsum_fwd_kernel` zeroes dt past `chunk_size_limit` and takes `tl.cumsum(dA, axis=1)` "
+                  "over the whole [BLOCK_SIZE_H, BLOCK_SIZE_CHUNK] tile, whose tree association differs between "
+                  "position chunk_size - 1 and the last valid one when BLOCK_SIZE_H >= 4 (H200, triton 3.6)",
+        needs="torch, triton, einops and mamba-ssm, on a GPU"),
+    "vllm-ragged-chunk-final-state-decay": Draft(
+        title="mamba_chunk_scan_combined_varlen: a sequence's final state off by ~1.6% in float32 when it ends "
+              "inside a chunk under strong decay (the chunk-state kernel reads dA_cumsum at chunk_size - 1)",
+        should="A token's share of its sequence's final state is scaled by exp(dA_cumsum[last token] - "
+               "dA_cumsum[t]): exactly 1 for the last token. The logical chunk's total should be read at its last "
+               "valid position, or the cumsum past it should be the last token's value bit for bit.",
+        code_path="`vllm/model_executor/layers/mamba/ops/ssd_chunk_state.py`: `_chunk_state_fwd_kernel` loads "
+                  "`dA_cs_last` at `(chunk_size - 1) * stride_dA_cs_csize`; `_chunk_cumsum_fwd_kernel` zeroes dt "
+                  "past the logical chunk's end and takes `tl.cumsum` over the whole tile, whose association "
+                  "differs between the two positions under most of its configs (BLOCK_SIZE_H >= 4; H200, triton 3.6)",
+        call="vllm.model_executor.layers.mamba.ops.ssd_combined.mamba_chunk_scan_combined_varlen",
+        needs="torch, triton and vllm's SSD ops (through ssdiff's registry), on a GPU"),
+    "fla-mamba2-step-ignores-dt-limit": Draft(
+        title="Mamba2 (fla.layers.mamba2): cached decoding on the kernel path ignores dt_limit",
+        should="Each decoded token's dt is clamped to dt_limit exactly as the prefill clamps it, so that decoding "
+               "token by token gives the outputs forward() gives for the same tokens (torch_forward does so).",
+        code_path="`fla/layers/mamba2.py`, `Mamba2.cuda_kernels_forward`: the prefill passes `dt_limit` to "
+                  "`mamba_chunk_scan_combined` (`dt_limit_kwargs`); the single-token branch (`last_state is not "
+                  "None`) calls `selective_state_update(..., dt_bias=dt_bias, dt_softplus=True)` with no limit.",
+        call="fla.layers.mamba2.Mamba2.cuda_kernels_forward",
+        needs="torch, triton, einops, flash-linear-attention, fla-core, transformers and mamba-ssm"),
+    "transformers-mamba2-decode-ignores-dt-limit": Draft(
+        title="Mamba2Mixer: cached decoding ignores time_step_limit (dt is not clamped on the single-token path)",
+        should="Each decoded token's dt is clamped to time_step_limit exactly as the chunked path clamps it, so "
+               "that generate() gives for each token the output forward() gives over the whole sequence.",
+        code_path="`transformers/models/mamba2/modeling_mamba2.py`, `Mamba2Mixer.forward`: the chunk form calls "
+                  "`mamba2_chunk_scan(..., dt_limit=self.time_step_limit)`; the recurrent form (`use_precomputed_"
+                  "states and seq_len == 1`) calls `mamba2_selective_state_update(..., dt_bias=dt_bias, "
+                  "dt_softplus=True, **kwargs)` with no limit.",
+        call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
+        needs="torch and transformers"),
 }
 
 
@@ -269,10 +312,17 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
     record = {"id": defect.id, "example": defect.example.to_dict(), "implementation": defect.implementations[0],
               "release": f"{defect.package} {version}", "torch": torch.__version__,
               "triton": triton.__version__}
+    if torch.cuda.is_available() and defect.example_devices and "cpu" not in defect.example_devices:
+        record["gpu"] = torch.cuda.get_device_name()
+    # where the example is measured to diverge (a numerical defect of a GPU's order of operations: there), under
+    # the config it is measured with
+    device = defect.example_devices[0] if defect.example_devices else "cpu"
+    record.update(device=device, autotune=defect.example_choice)
     with tempfile.TemporaryDirectory(prefix="ssdiff-finding-") as scratch:
         try:
-            result = minimize(defect.example, defect.implementations[0], device="cpu", out_dir=scratch,
-                              max_runs=max_runs, accept=lambda case: only_this_defect(defect, case))
+            result = minimize(defect.example, defect.implementations[0], device=device, out_dir=scratch,
+                              max_runs=max_runs, accept=lambda case: only_this_defect(defect, case),
+                              choice=defect.example_choice)
         except NotDiverging as why:
             record.update(reproduces=False, why=_local_paths(str(why)))
             (folder / CASE_FILE).write_text(defect.example.to_json() + "\n", encoding="utf-8")
@@ -405,8 +455,11 @@ def render_finding(defect: KnownDefect, found: Optional[dict], level: str = "##"
             f"runs the function and a float64 reference, prints the largest errors against the allowed ones and "
             f"exits 1 while the defect exists.{ready}", "",
             f"*Affected code path.* {draft.code_path}", "",
-            f"*Environment.* {found['release']}, torch {found['torch']}, triton {found['triton']}; the kernels "
-            f"under the Triton interpreter on a CPU.", ""]
+            f"*Environment.* {found['release']}, torch {found['torch']}, triton {found['triton']}; "
+            + ("the kernels under the Triton interpreter on a CPU." if found.get("device", "cpu") == "cpu" else
+               f"the kernels natively on {found.get('gpu', 'a GPU')}"
+               + (f", every autotuned kernel on config index {found['autotune']} (config index % its count)"
+                  if found.get("autotune", "tuned") != "tuned" else "") + "."), ""]
     return out
 
 

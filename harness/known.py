@@ -47,6 +47,16 @@ class KnownDefect:
     # Device types where the example is measured to diverge, when not every one: a numerical defect whose size
     # depends on the device's order of operations can fall within budget elsewhere at the same inputs.
     example_devices: tuple = ()
+    # The autotune config index the example is measured under (harness/runtime.py, `autotune`), where the defect
+    # follows the config: "tuned" otherwise (the benchmark picks, and may pick a config without the defect).
+    example_choice: object = "tuned"
+
+    def replay_command(self) -> str:
+        """The shell command that judges the example again with the first implementation."""
+        device = f" --device {self.example_devices[0]}" if self.example_devices else ""
+        config = f" --autotune {self.example_choice}" if self.example_choice != "tuned" else ""
+        return (f"ssdiff known --case {self.id} > case.json && ssdiff replay case.json --impl "
+                f"{self.implementations[0]}{device}{config}")
 
     def affects(self, version: Optional[str]) -> bool:
         """Is release ``version`` of the package affected (None: not installed)?"""
@@ -72,6 +82,36 @@ def row_decay(case: Case) -> float:
     if case.dt_softplus:
         dt = torch.nn.functional.softplus(dt)
     return float((dt * values["A"]).abs().sum(1).max())
+
+
+@functools.lru_cache(maxsize=512)
+def ragged_end_decay(case: Case) -> float:
+    """The largest |sum of dt' A| over the tokens of a chunk that a sequence ends inside (its end not on a
+    chunk_size boundary of the row), from the sequence's start or the chunk's, whichever is later: the within-chunk
+    cumsum a chunked kernel reads there (0 when every sequence ends on a boundary)."""
+    values = draw(case)[0]
+    dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
+    if case.dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    if case.dt_limit is not None:
+        dt = dt.clamp(*case.dt_limit)
+    dA = (dt * values["A"]).abs()                                            # (b, L, h)
+    Q, worst = case.chunk_size, 0.0
+    for row in range(case.batch):
+        lengths = case.segments[row] if case.segments is not None else (case.seqlen,)
+        start = 0
+        for length in lengths:
+            end = start + length
+            if length and end % Q:
+                first = max(start, (end - 1) // Q * Q)
+                worst = max(worst, float(dA[row, first:end].sum(0).max()))
+            start = end
+    return worst
+
+
+# Where a ragged chunk's within-chunk dA cumsum passes 2^14, one of its float32 ulps (2^-9) is a 0.2% error of a
+# decay factor exp(cumsum difference).
+RAGGED_DECAY_ULP_MATTERS = 2.0 ** 14
 
 
 def _padded(case: Case) -> bool:
@@ -256,8 +296,8 @@ DEFECTS += (
 )
 
 # The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; the norm's
-# grouping also measured in transformers 5.17.0, on an H200; earlier ones not): each layer's plain-torch path groups
-# heads differently from mamba_ssm's Mamba2 and kernels.
+# grouping and the half-precision dt also measured in transformers 5.17.0, on an H200; earlier ones not): each
+# layer's plain-torch path groups heads differently from mamba_ssm's Mamba2 and kernels.
 LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
 
 DEFECTS += (
@@ -284,7 +324,9 @@ DEFECTS += (
                      rmsnorm=True)),
     KnownDefect(
         id="transformers-mamba2-dt-in-half-precision",
-        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.20.2", None),
+        # 5.17.0 has the same dt lines (read in its wheel); an H200 campaign with it met the defect in bfloat16,
+        # the gradient of A_log 1.6x its budget (L=11 h=2 p=1 n=45, rmsnorm, strong decay)
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.17.0", None),
         applies=lambda c: c.entry == "layer" and c.dtype in ("float16", "bfloat16"),
         statement="transformers' Mamba2Mixer without hub kernels computes dt in the activations' half precision: "
                   "its mamba2_chunk_scan casts the float32 dt_bias down (`dt + dt_bias.to(dt.dtype)`) and applies "
@@ -325,6 +367,88 @@ DEFECTS += (
                      layer_steps=1)),
 )
 
+# The chunk-state kernel of mamba_ssm (read in 2.3.2.post1) and of vLLM's copy (0.33.0) scale token t's share of its
+# chunk's state by exp(min(dA_cumsum[chunk_size - 1] - dA_cumsum[t], 0)) and read the chunk's total at chunk_size - 1
+# in a chunk the sequence ends inside too. Past the end dt is 0, so the cumsum there should equal its value at the
+# last token; on an H200 (triton 3.6) _chunk_cumsum_fwd_kernel's tl.cumsum rounds the two differently by 1-2 ulps
+# under most configs (BLOCK_SIZE_H >= 4 in the cases measured; the interpreter's cumsum is sequential and exact
+# there). Found by an H200 campaign of vLLM's prefill (b=2 L=2686 h=8 p=64 g=8 n=128, 1.95x); reduced on the H200 by
+# a directed search (each step kept while both diverged under config index 3: batch 1, one group, no D, z or
+# seq_idx, contiguous, scale 1, h 8 -> 4, p 64 -> 4, n 128 -> 8); shorter sequences (126 to 254 tokens) and no
+# dt_bias stayed within budget over 7 seeds each. Under config index 0 both are within budget (0.118x).
+RAGGED = dict(seqlen=2686, nheads=4, headdim=4, ngroups=1, dstate=8, chunk_size=128, D="none", has_dt_bias=True,
+              dt_softplus=False, return_final_states=True, regime=Regime(decay="strong", dt_large=True), seed=5)
+
+
+def _ends_inside_a_chunk(c: Case) -> bool:
+    rows = c.segments if c.segments is not None else ((c.seqlen,),)
+    return any(sum(row[:i + 1]) % c.chunk_size for row in rows for i in range(len(row)))
+
+
+def _ragged_final_state(c: Case) -> bool:
+    # the cheap conditions first: the decay sum needs the case's inputs drawn (only large dt or strong decay reach
+    # 2^14 within one chunk)
+    return (c.entry == "chunk_scan" and (c.return_final_states or c.varlen_states) and _ends_inside_a_chunk(c)
+            and (c.regime.dt_large or c.regime.decay == "strong")
+            and ragged_end_decay(c) >= RAGGED_DECAY_ULP_MATTERS)
+
+
+RAGGED_STATEMENT = ("{fn}'s chunk-state kernel reads a chunk's dA cumsum total at chunk_size - 1 even in a chunk the "
+                    "sequence ends inside, where the cumsum past the end should equal its value at the last token; "
+                    "the cumsum kernel's tl.cumsum rounds the two differently under most autotune configs (1-2 ulps: "
+                    "0.008-0.016 at |dA_cumsum| ~ 1e5, dt above 20 with strong decay), so the final state's last "
+                    "tokens are scaled by exp(-0.016): 1.6% off in float32, 1.8x the budget")
+
+DEFECTS += (
+    KnownDefect(
+        id="mamba-ragged-chunk-final-state-decay",
+        implementations=("mamba_ssm.chunk_scan_combined",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        applies=_ragged_final_state,
+        statement=RAGGED_STATEMENT.format(fn="mamba_chunk_scan_combined"),
+        status="found by ssdiff", test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
+        example_choice=3),
+    KnownDefect(
+        id="vllm-ragged-chunk-final-state-decay",
+        implementations=("vllm.chunk_scan_combined_varlen",), package="vllm", affected=("0.33.0", None),
+        applies=_ragged_final_state,
+        statement=RAGGED_STATEMENT.format(fn="mamba_chunk_scan_combined_varlen"),
+        status="found by ssdiff", test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
+        example_choice=3),
+)
+
+# fla's Mamba2 decoding (read in flash-linear-attention 0.6.0): cuda_kernels_forward's single-token path calls
+# mamba_ssm's selective_state_update with dt_softplus but no dt_limit, while its prefill passes dt_limit to
+# mamba_chunk_scan_combined (its torch path clamps both).
+DEFECTS += (
+    KnownDefect(
+        id="fla-mamba2-step-ignores-dt-limit",
+        implementations=("fla.mamba2_triton",), package="flash-linear-attention", affected=("0.6.0", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        statement="fla's Mamba2 decoding on its kernel path (cuda_kernels_forward with a cache) ignores dt_limit: "
+                  "the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) but no decoded token does "
+                  "(its selective_state_update call has no limit; torch_forward clamps both), so a model with a "
+                  "dt_limit decodes other outputs than its prefill gives for the same tokens",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, dt_limit=(0.0, 0.01),
+                     layer_steps=1)),
+)
+
+# transformers' Mamba2Mixer decoding (read in 5.20.2 and 5.17.0; measured with 5.20.2): the single-token path
+# calls mamba2_selective_state_update with dt_softplus but no dt_limit, while the chunked path passes
+# dt_limit=self.time_step_limit.
+DEFECTS += (
+    KnownDefect(
+        id="transformers-mamba2-decode-ignores-dt-limit",
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.17.0", None),
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        statement="transformers' Mamba2Mixer decoding with a cache ignores time_step_limit: the prefill's chunked "
+                  "scan clamps dt to it but the single-token path (selective_state_update, with dt_softplus and no "
+                  "dt_limit) does not, so generate() decodes other outputs than forward() gives for the same tokens",
+        status="found by ssdiff", test=UPSTREAM_TESTS,
+        example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, rmsnorm=True,
+                     dt_limit=(0.0, 0.01), layer_steps=1)),
+)
+
 BY_ID = {d.id: d for d in DEFECTS}
 
 
@@ -341,6 +465,9 @@ def installed_version(package: str) -> Optional[str]:
         return upstream.mamba_ssm().version if upstream.mamba_ssm_problem() is None else None
     if package == "fla-core":
         return upstream.fla().version if upstream.fla_problem() is None else None
+    if package == "vllm":                 # its SSD ops as harness.upstream_vllm loads them (a wheel, or files)
+        from harness import upstream_vllm
+        return upstream_vllm.vllm().version if upstream_vllm.vllm_problem() is None else None
     from importlib import metadata
     try:                                  # the layers' packages: their installed distribution
         return metadata.version(package)
@@ -360,4 +487,4 @@ def matching(impl: str, case: Case) -> Optional[KnownDefect]:
 
 __all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "whole_pass",
            "installed_version",
-           "row_decay", "EXP_OVERFLOW_F32"]
+           "row_decay", "ragged_end_decay", "EXP_OVERFLOW_F32"]

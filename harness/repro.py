@@ -43,6 +43,32 @@ MAMBA_FUNCTIONS = {
     "mamba_ssm.split_conv1d_ref": ("mamba_split_conv1d_scan_ref", "mixer_ref"),
 }
 
+FORCE_CONFIG = '''
+# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): {why}.
+CONFIG_INDEX = {index}
+
+
+def force_autotune_config(index):
+    from triton.runtime.autotuner import Autotuner
+    real_run = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        configs = self.configs
+        if self.early_config_prune is not None and len(configs) > 1:
+            self.nargs = dict(zip(self.arg_names, args))
+            configs = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
+        saved, self.configs = self.configs, [configs[index % len(configs)]]
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            self.configs = saved
+
+    Autotuner.run = run
+
+
+force_autotune_config(CONFIG_INDEX)
+'''
+
 INTERPRETER_PATCHES = '''
 def patch_for_the_triton_interpreter():
     """The kernels run on the CPU under TRITON_INTERPRET=1; three things they expect from a GPU are faked."""
@@ -67,21 +93,6 @@ def patch_for_the_triton_interpreter():
         types.SimpleNamespace(multi_processor_count=132, name="interpreter", major=9, minor=0)
         if host(d) or not torch.cuda.is_available() else real_properties(d))
 
-    from triton.runtime.autotuner import Autotuner  # the interpreter cannot benchmark: the first legal config
-    real_run = Autotuner.run
-
-    def run(self, *args, **kwargs):
-        configs = self.configs
-        if self.early_config_prune is not None and len(configs) > 1:
-            self.nargs = dict(zip(self.arg_names, args))
-            configs = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
-        saved, self.configs = self.configs, list(configs[:1])
-        try:
-            return real_run(self, *args, **kwargs)
-        finally:
-            self.configs = saved
-
-    Autotuner.run = run
     try:                                            # numpy >= 2.4 refuses int() of a 1-element array
         from triton.runtime import interpreter
         real_patch = interpreter._patch_lang_tensor
@@ -247,6 +258,31 @@ def decode_with_cache(layer, u, prefill):
     return torch.cat(outs, dim=1)
 '''
 
+LAYER_DECODE_FLA = '''
+def decode_with_last_state(layer, method, u, prefill):
+    """fla's Mamba2 as its forward() drives a cache: the prefill with use_cache returns the conv and SSM states,
+    then one token per call with them as last_state."""
+    run = getattr(layer, method)
+    out, conv_state, ssm_state = run(u[:, :prefill], None, True)
+    outs = [out]
+    for t in range(prefill, u.shape[1]):
+        out, conv_state, ssm_state = run(u[:, t:t + 1], {"conv_state": conv_state, "recurrent_state": ssm_state}, True)
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+'''
+
+LAYER_DECODE_TRANSFORMERS = '''
+def decode_with_dynamic_cache(layer, config, u, prefill):
+    """Mamba2Mixer as generate() drives it: a DynamicCache, the prefill through forward() with it, then one token
+    per call."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=config)
+    outs = [layer(u[:, :prefill], cache_params=cache)]
+    for t in range(prefill, u.shape[1]):
+        outs.append(layer(u[:, t:t + 1], cache_params=cache))
+    return torch.cat(outs, dim=1)
+'''
+
 LAYER_PACKAGES = {"mamba_ssm.": ("mamba-ssm", "einops", "huggingface_hub"),
                   "fla.": ("flash-linear-attention", "fla-core", "transformers"), "transformers.": ("transformers",)}
 
@@ -289,7 +325,14 @@ def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
         lines.append("        module.causal_conv1d_fn = causal_conv1d_fn")
     lines += [f"    {build}", f"    layer.train({how.train})",
               f"    weights = {{{params}}}"]
-    if case.layer_steps:
+    if case.layer_steps and spec.startswith("fla."):
+        lines.append(f'    run = lambda layer, u: decode_with_last_state(layer, "{how.method}", u, '
+                     f'{case.seqlen - case.layer_steps})  # the last {case.layer_steps} token(s) one at a time')
+    elif case.layer_steps and spec.startswith("transformers."):
+        lines.append(f"    config = module.{how.config_class}(**{literal(how.config)})")
+        lines.append(f"    run = lambda layer, u: decode_with_dynamic_cache(layer, config, u, "
+                     f"{case.seqlen - case.layer_steps})  # the last {case.layer_steps} token(s) one at a time")
+    elif case.layer_steps:
         lines.append(f"    run = lambda layer, u: decode_with_cache(layer, u, {case.seqlen - case.layer_steps})  "
                      f"# the last {case.layer_steps} token(s) through step()")
     else:
@@ -372,8 +415,10 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str) -> Path:
-    """Write repro.py for ``case`` judged with ``sides`` (implementation names) on ``inputs.device``."""
+def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str,
+          choice: runtime.Choice = "tuned") -> Path:
+    """Write repro.py for ``case`` judged with ``sides`` (implementation names) on ``inputs.device``; a config
+    index ``choice`` (natively) is forced on every autotuned kernel, as it was when judged."""
     device = str(inputs.device)
     side_code, needs = [], []
     for number, spec in enumerate(sides):
@@ -387,6 +432,11 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
     if interpreter:
         preamble.append(INTERPRETER_PATCHES)
         needs.append("numpy (the Triton interpreter imports it)")
+    if uses_triton and choice != "tuned":
+        preamble.append(FORCE_CONFIG.format(index=int(choice), why="as ssdiff judged it (the divergence depends on "
+                                                                    "the config the autotuner picks)"))
+    elif interpreter:
+        preamble.append(FORCE_CONFIG.format(index=0, why="the interpreter cannot benchmark"))
     layers = [s for s in sides if case.entry == "layer" and _layer_implementation(s) is not None]
     # mamba_ssm's layer, and fla's kernel paths, import mamba_ssm's Triton ops: loadable only through the loader
     needs_mamba = [s for s in sides if s in MAMBA_FUNCTIONS or s == STEP
@@ -396,8 +446,12 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         preamble.append(MAMBA_LOADER)
     if layers:
         preamble.append(LAYER_METHOD)
-        if case.layer_steps:
+        if case.layer_steps and any(s.startswith("mamba_ssm.") for s in layers):
             preamble.append(LAYER_DECODE)
+        if case.layer_steps and any(s.startswith("fla.") for s in layers):
+            preamble.append(LAYER_DECODE_FLA)
+        if case.layer_steps and any(s.startswith("transformers.") for s in layers):
+            preamble.append(LAYER_DECODE_TRANSFORMERS)
     if case.varlen_states:
         preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
                         f"device=DEVICE)")

@@ -208,10 +208,10 @@ def test_a_layer_campaigns_production_slots_take_small_keys(device):
 
 
 def test_a_layer_key_is_what_the_examiners_fit_leaves(device):
-    """mamba_ssm's Mamba2 (conv channels % 8) against fla's (no SwiGLU branch, no seq_idx, no decoding): each
-    key's representative is a valid Case that fitting leaves as it is, and cases drawn from the key keep its
-    widths and flags once fitted."""
-    with Examiner(["mamba_ssm.mamba2_no_mem_eff", "fla.mamba2_triton"], device) as examiner:
+    """mamba_ssm's Mamba2 (conv channels % 8) against fla's fused path (no SwiGLU branch, no seq_idx, no
+    decoding): each key's representative is a valid Case that fitting leaves as it is, and cases drawn from the
+    key keep its widths and flags once fitted."""
+    with Examiner(["mamba_ssm.mamba2_no_mem_eff", "fla.mamba2_fused"], device) as examiner:
         pool = layer_pool(device, seed=4, fit=examiner.fit)
         for key in layer_keys(pool, 3):
             rep = key.case()
@@ -229,10 +229,12 @@ def test_a_layer_key_is_what_the_examiners_fit_leaves(device):
 
 
 def test_a_layer_campaign_pools_only_where_a_side_has_kernels(tmp_path, device):
-    """A layer with Triton kernels gets compile keys; a torch-only layer (no kernel to compile) draws freely."""
+    """A layer with Triton kernels gets compile keys (fla's torch path too: its swish and gated RMSNorm are Triton
+    kernels); a torch-only layer (no kernel to compile) draws freely."""
     def fuzzer(impl):
         return Fuzzer(FuzzConfig(impl=impl, device=device, entry="layer", max_examples=1, pool=True,
                                  compile_ahead=False, dtypes=("float32",), report_dir=None, out_dir=str(tmp_path)))
     pooled = fuzzer("mamba_ssm.mamba2_no_mem_eff").pool
     assert pooled is not None and {k.entry for k in pooled.keys} == {"layer"}
-    assert fuzzer("fla.mamba2_torch").pool is None
+    assert fuzzer("fla.mamba2_torch").pool is not None
+    assert fuzzer("transformers.mamba2_mixer").pool is None

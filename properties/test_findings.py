@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.version import Version
 
 from harness import findings
@@ -19,6 +20,15 @@ from harness.known import BY_ID, DEFECTS, installed_version
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
 # Divergences harness/repro.py cannot show yet (strict: once it can, regenerate and drop the entry).
+REPRO_CANNOT_SHOW = {
+    "mamba-ragged-chunk-final-state-decay":
+        "on the H200 its repro.py (config 3 forced on every autotuned kernel, mamba_chunk_scan_combined called on fresh "
+        "copies of the inputs) exited 0 while ssdiff's replay of the same case (the adapter on ssdiff's materialized "
+        "inputs) and the vLLM record's repro diverge: not yet explained",
+}
+# Implementations harness/repro.py writes through ssdiff's registry (no standalone writer for them yet): their
+# repro.py needs ssdiff installed.
+THROUGH_THE_REGISTRY = ("vllm.",)
 
 
 def _releases() -> list:
@@ -46,7 +56,7 @@ def _repro_params() -> list:
 
 
 @pytest.mark.parametrize("defect_id, where, version", _repro_params())
-def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version):
+def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version, request):
     defect = BY_ID[defect_id]
     found = findings.read_finding(defect_id)
     assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings`"
@@ -58,6 +68,11 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
     else:
         pytest.skip(f"{defect.package} {version} predates the defect's first affected release {first}: its repro's case "
                     f"need not mean the same there")
+    device = found.get("device", "cpu")
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"its repro.py was written for {device} (the example diverges there only)")
+    if expected == 1 and defect_id in REPRO_CANNOT_SHOW:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=REPRO_CANNOT_SHOW[defect_id]))
     if not found["has_repro"]:
         if where is None and expected == 1:
             pytest.fail(f"the registry says the installed {defect.package} {version} is affected, yet the example does "
@@ -90,7 +105,9 @@ def test_each_finding_is_computed_from_the_registrys_example_and_still_matches_i
     assert defect.applies(found["case"]), "the minimized case is no longer one the registry's predicate names"
     if found["has_repro"]:
         text = (findings.finding_dir(defect_id) / findings.REPRO_FILE).read_text()
-        assert not re.search(r"^\s*(from|import) harness", text, re.M), "repro.py must not need ssdiff"
+        needs_ssdiff = bool(re.search(r"^\s*(from|import) harness", text, re.M))
+        assert needs_ssdiff == found["implementation"].startswith(THROUGH_THE_REGISTRY), \
+            "repro.py must not need ssdiff (but for the implementations it reaches through ssdiff's registry)"
         assert found["case"].describe() in text
 
 

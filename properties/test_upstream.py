@@ -437,15 +437,16 @@ def defect_sides(defect: known.KnownDefect, case: Case, device: str) -> list:
     return runnable
 
 
-def reproduces(defect: known.KnownDefect, case: Case, device: str, request):
+def reproduces(defect: known.KnownDefect, case: Case, device: str, request, choice: runtime.Choice = "tuned"):
     """``case`` satisfies ``defect``'s predicate (a precondition: pytest.fail) and every implementation of it
-    that runs here agrees with the oracle — which, on an affected release, must fail (strict xfail)."""
+    that runs here agrees with the oracle under autotune ``choice`` — which, on an affected release, must fail
+    (strict xfail)."""
     if not defect.applies(case):
         pytest.fail(f"{defect.id}: its predicate does not hold for {case.describe()}")
     sides = defect_sides(defect, case, device)
     expect_defect(request, defect)
     with Examiner(sides, device) as examiner:
-        agrees_with_oracle(examiner, case)
+        agrees_with_oracle(examiner, case, choice)
 
 
 @pytest.mark.parametrize("defect", known.DEFECTS, ids=lambda d: d.id)
@@ -455,7 +456,7 @@ def test_known_defect_reproduces(defect, device, request):
     if defect.example_devices and kind not in defect.example_devices:
         pytest.skip(f"{defect.id}: its example is measured to diverge on {', '.join(defect.example_devices)} only "
                     f"(a numerical defect whose size follows the device's order of operations)")
-    reproduces(defect, defect.example, device, request)
+    reproduces(defect, defect.example, device, request, defect.example_choice)
 
 
 # Cases of a record its example does not cover: another variant of the defect, another implementation, another

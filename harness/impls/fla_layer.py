@@ -99,7 +99,8 @@ class FlaLayer(LayerImplementation):
                 entries=frozenset({"layer"}),
                 dtypes=frozenset(runtime.runnable_dtypes()) if kernels else ALL_DTYPES,
                 devices=(runtime.kernel_devices() or frozenset({"cuda"})) if kernels else frozenset({"cpu", "cuda"}),
-                unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "layer_steps"},
+                # decoding: the cached prefill runs the eval path's code (no fused kernel under use_cache)
+                unsupported=NEEDS_SEQ_IDX | {"d_nonssm"} | ({"layer_steps"} if self.path == "fused" else set()),
                 limits=(conv_channels_8,) if self.path == "fused" else (),
                 stages=("in_proj",) + (("conv", "dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan",
                                         "skip") if self.path == "fused" else ())
@@ -134,6 +135,23 @@ class FlaLayer(LayerImplementation):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return super().build(case)
+
+    def invoke(self, case, how, layer, u, **kwargs):
+        """Decoding (``case.layer_steps``) as fla's forward() drives it with a cache: the prefill with
+        ``use_cache`` returns the conv and SSM states, then each token goes through the same method with them as
+        ``last_state`` (the layer's single-token path: causal_conv1d_update and selective_state_update on the
+        kernel path, their torch forms on the torch path)."""
+        if not case.layer_steps:
+            return super().invoke(case, how, layer, u, **kwargs)
+        method = getattr(layer, how.method)
+        prefill = case.seqlen - case.layer_steps
+        out, conv_state, ssm_state = method(u[:, :prefill], None, True)
+        outs = [out]
+        for t in range(prefill, case.seqlen):
+            out, conv_state, ssm_state = method(u[:, t:t + 1], {"conv_state": conv_state,
+                                                                 "recurrent_state": ssm_state}, True)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
 
     def kernel_stages(self, case, zxbcdt, t, inputs) -> dict:
         if self.path != "fused":

@@ -1,8 +1,8 @@
 """transformers' Mamba2Mixer (transformers/models/mamba2/modeling_mamba2.py) as a layer (layer entry):
 
-    transformers.mamba2_mixer   Mamba2Mixer.forward without a cache: in_proj, the causal conv1d, the chunked
-                                scan, MambaRMSNormGated, out_proj, with transformers' torch fallbacks for the
-                                conv and the scan
+    transformers.mamba2_mixer   Mamba2Mixer.forward: in_proj, the causal conv1d, the chunked scan,
+                                MambaRMSNormGated, out_proj, with transformers' torch fallbacks for the conv and
+                                the scan; decoding (layer_steps) through a DynamicCache, as generate() does
 
 transformers picks each of those functions when its module is imported: a Hugging Face hub kernel where the
 `kernels` package is asked for one, else the original package's (causal_conv1d, mamba_ssm) where it imports,
@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib
 import contextlib
 from typing import Optional
+
+import torch
 
 from harness.case import Case
 from harness.features import NEEDS_SEQ_IDX
@@ -68,9 +70,10 @@ def _version() -> str:
 
 class Mamba2Mixer(LayerImplementation):
     name = "transformers.mamba2_mixer"
-    description = "transformers Mamba2Mixer.forward (no cache) with its torch fallbacks; fwd + bwd"
+    description = ("transformers Mamba2Mixer.forward with its torch fallbacks; fwd + bwd; decoding through a "
+                   "DynamicCache")
     capabilities = Capabilities(entries=frozenset({"layer"}),
-                                unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel", "layer_steps"},
+                                unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel"},
                                 limits=(always_normed, gate_first), stages=("in_proj", "normed"))
 
     def unavailable(self) -> Optional[str]:
@@ -90,8 +93,21 @@ class Mamba2Mixer(LayerImplementation):
             layer_norm_epsilon=case.rmsnorm_eps, hidden_act="silu", num_hidden_layers=1))
 
     def invoke(self, case, how, layer, u, **kwargs):
+        """The mixer on u; decoding (``case.layer_steps``) as generate() drives it: a DynamicCache built from
+        the layer's config, the prefill through forward() with it (it stores the conv and SSM states), then one
+        token per call (the mixer's single-token path: causal_conv1d_update, selective_state_update)."""
         with torch_fallbacks():
-            return layer(u, **kwargs)
+            if not case.layer_steps:
+                return layer(u, **kwargs)
+            from transformers import DynamicCache
+
+            module = importlib.import_module(MODULE)
+            cache = DynamicCache(config=getattr(module, how.config_class)(**how.config))
+            prefill = case.seqlen - case.layer_steps
+            outs = [layer(u[:, :prefill], cache_params=cache)]
+            for t in range(prefill, case.seqlen):
+                outs.append(layer(u[:, t:t + 1], cache_params=cache))
+            return torch.cat(outs, dim=1)
 
     def notes(self) -> list:
         return [f"transformers {_version()}: its torch fallbacks for the conv and the scan"]
