@@ -210,14 +210,22 @@ class ToyMixer(_Float32Implementation):
         return outputs, stages
 
 
+LAYER_BUGS = {"norm_whole_dim": "gated RMSNorm over all of d_ssm",
+              "decode_drops_D": "decoded tokens (layer_steps) without the D skip"}
+
+
 class ToyLayer(_Float32Implementation):
-    """The Mamba-2 layer in float32: zxbcdt = in_proj(u), A = -exp(A_log), then `ToyMixer` (its bug too)."""
+    """The Mamba-2 layer in float32: zxbcdt = in_proj(u), A = -exp(A_log), then `ToyMixer` (its bug too). A layer
+    is causal, so it "decodes" (layer_steps) by computing the whole sequence; ``bug="decode_drops_D"`` takes the
+    decoded tokens from a run with D = 0."""
 
     def __init__(self, bug=None):
-        self.mixer = ToyMixer(bug)
+        if bug is not None and bug not in LAYER_BUGS:
+            raise ValueError(f"bug must be None or one of {sorted(LAYER_BUGS)}, got {bug!r}")
+        self.mixer = ToyMixer(bug if bug == "norm_whole_dim" else None)
         self.bug = bug
         self.name = f"double.layer{'.' + bug if bug else ''}"
-        self.description = (f"toy float32 Mamba-2 layer{' with a planted bug: gated RMSNorm over all of d_ssm' if bug else ''}")
+        self.description = f"toy float32 Mamba-2 layer{' with a planted bug: ' + LAYER_BUGS[bug] if bug else ''}"
         self.capabilities = Capabilities(entries=frozenset({"layer"}), stages=("in_proj",) + self.mixer.capabilities.stages)
 
     def compute(self, case, t, inputs):
@@ -226,7 +234,12 @@ class ToyLayer(_Float32Implementation):
         mixer_t = dict(t, zxbcdt=zxbcdt, A=-torch.exp(t["A_log"]),
                        conv1d_bias=bias if bias is not None else zxbcdt.new_zeros(t["conv1d_weight"].shape[0]))
         outputs, stages = self.mixer.compute(case, mixer_t, inputs)
-        return {"y": outputs["y"]}, {"in_proj": zxbcdt, **stages}
+        y = outputs["y"]
+        if self.bug == "decode_drops_D" and case.layer_steps:
+            without_D, _ = self.mixer.compute(case, dict(mixer_t, D=torch.zeros_like(t["D"])), inputs)
+            y = torch.cat([y[:, :case.seqlen - case.layer_steps], without_D["y"][:, case.seqlen - case.layer_steps:]],
+                          dim=1)
+        return {"y": y}, {"in_proj": zxbcdt, **stages}
 
 
 class LowPrecisionOracle(_Float32Implementation):
@@ -322,6 +335,7 @@ mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()
 layer_norm_bug = ToyLayer("norm_whole_dim")
+layer_decode_bug = ToyLayer("decode_drops_D")
 chunked_fp32 = LowPrecisionOracle("ref.chunked")
 quadratic_fp32 = LowPrecisionOracle("ref.quadratic")
 recurrent_fp32 = LowPrecisionOracle("ref.recurrent")

@@ -344,11 +344,32 @@ def _dt_limit_active(c: Case) -> bool:
     return c.dt_limit is not None and (c.dt_limit[0] > 0 or c.dt_limit[1] != float("inf"))
 
 
+@functools.lru_cache(maxsize=512)
+def _decoded_dt_outside_limit(c: Case) -> bool:
+    """Does a decoded token of layer case ``c`` have a dt (softplus of in_proj's dt rows plus dt_bias) outside
+    dt_limit, so that clamping it matters? From the case's own inputs (drawn from its seed)."""
+    values = draw(c)[0]
+    rows = slice(-c.nheads, None)                       # zxbcdt ends with the dt channels
+    dt = values["u"][:, c.seqlen - c.layer_steps:] @ values["in_proj_weight"][rows].T
+    if "in_proj_bias" in values:
+        dt = dt + values["in_proj_bias"][rows]
+    dt = torch.nn.functional.softplus(dt + values["dt_bias"])
+    lo, hi = c.dt_limit
+    return bool(((dt < lo) | (dt > hi)).any())
+
+
+def _decoded_dt_clamped(c: Case) -> bool:
+    """A decoded layer whose dt_limit clamps the dt of a decoded token."""
+    return (c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c)
+            and _decoded_dt_outside_limit(c))
+
+
 DEFECTS += (
     KnownDefect(
         id="mamba-mamba2-step-D-has-hdim",
         implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
-        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and c.D == "channel",
+        # with headdim 1 a per-channel D is a per-head one, and its broadcast is right
+        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and c.D == "channel" and c.headdim > 1,
         statement="Mamba2.step (decoding with an inference cache) fails with D_has_hdim=True: it broadcasts D as if "
                   "it were per head, `repeat(self.D, \"h -> h p\", p=self.headdim)`, a (d_ssm, headdim) tensor that "
                   "selective_state_update rejects (AssertionError); the prefill through forward() takes the same D",
@@ -358,7 +379,7 @@ DEFECTS += (
     KnownDefect(
         id="mamba-mamba2-step-ignores-dt-limit",
         implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
-        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        applies=_decoded_dt_clamped,
         statement="Mamba2.step ignores dt_limit: the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) "
                   "but no decoded token does (its selective_state_update call has no limit), so a model with a "
                   "dt_limit decodes other outputs than its forward() gives for the same tokens",
@@ -423,7 +444,7 @@ DEFECTS += (
     KnownDefect(
         id="fla-mamba2-step-ignores-dt-limit",
         implementations=("fla.mamba2_triton",), package="flash-linear-attention", affected=("0.6.0", None),
-        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        applies=_decoded_dt_clamped,
         statement="fla's Mamba2 decoding on its kernel path (cuda_kernels_forward with a cache) ignores dt_limit: "
                   "the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) but no decoded token does "
                   "(its selective_state_update call has no limit; torch_forward clamps both), so a model with a "
@@ -440,7 +461,7 @@ DEFECTS += (
     KnownDefect(
         id="transformers-mamba2-decode-ignores-dt-limit",
         implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.17.0", None),
-        applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and _dt_limit_active(c),
+        applies=_decoded_dt_clamped,
         statement="transformers' Mamba2Mixer decoding with a cache ignores time_step_limit: the prefill's chunked "
                   "scan clamps dt to it but the single-token path (selective_state_update, with dt_softplus and no "
                   "dt_limit) does not, so generate() decodes other outputs than forward() gives for the same tokens",

@@ -235,5 +235,25 @@ def prefill_then_steps(examiner, impl, step, case: Case, steps: int, choice=0) -
                     [f"{cut} tokens prefilled, {steps} stepped with {step.name}"])
 
 
+def layer_decoded(examiner, impl, case: Case, steps: int, choice=0) -> Relation:
+    """A layer over the whole sequence (``case``, forward, no seq_idx, not decoded) against the same layer
+    prefilling the first L - ``steps`` tokens and decoding the others one at a time through its cache
+    (``layer_steps``), on the same numbers (a layer_steps twin draws them alike): y at every token, within the
+    decoded twin's budget (its baseline holds the step model)."""
+    if case.entry != "layer" or case.backward or case.segments is not None or case.layer_steps:
+        raise NotApplicable("layer_decoded takes a forward layer case without seq_idx that is not decoded")
+    if not 0 < steps < case.seqlen:
+        raise NotApplicable("layer_decoded needs 0 < steps < seqlen (a prefill of at least one token)")
+    decoded = case.replace(layer_steps=steps)
+    device = examiner.device
+    _applicable(impl, case, device)
+    _applicable(impl, decoded, device)
+    inputs = examiner.evidence(decoded).inputs
+    whole = _run(impl, case, inputs, choice)
+    stepped = _run(impl, decoded, inputs, choice)
+    return _compare(examiner, "layer_decoded", decoded, inputs, Evaluation({"y": whole.y}),
+                    Evaluation({"y": stepped.y}), [f"{case.seqlen - steps} tokens prefilled, {steps} decoded"])
+
+
 __all__ = ["Relation", "NotApplicable", "derive", "split_prefill", "rows_alone", "packed_alone",
-           "prefill_then_steps", "decode_case", "TOKEN_MAJOR"]
+           "prefill_then_steps", "layer_decoded", "decode_case", "TOKEN_MAJOR"]

@@ -113,6 +113,29 @@ def test_the_sequences_of_a_packed_row_equal_each_run_alone(name, device, data):
               case.replace(batch=1, segments=(lengths,), padding=None, varlen_states=False))
 
 
+# Layers that decode (layer_steps), each as its adapter drives its cache.
+DECODING_LAYERS = ["mamba_ssm.mamba2_no_mem_eff", "fla.mamba2_triton", "fla.mamba2_torch", "transformers.mamba2_mixer"]
+LAYER_SMALL = Bounds(max_batch=2, max_seqlen=12, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
+
+
+@pytest.mark.parametrize("name", DECODING_LAYERS)
+@FEW
+@given(data=st.data())
+def test_a_layer_decoding_its_last_tokens_equals_one_prefill(name, device, data):
+    impl = usable(name, device)
+    case = data.draw(cases(entry="layer", dtypes=dtypes_of(impl), bounds=LAYER_SMALL, backward=False))
+    case = case.replace(segments=None, padding=None, seq_idx_start=0, layer_steps=0)
+    assume(case.seqlen >= 2)
+    steps = data.draw(st.integers(1, min(3, case.seqlen - 1)), label="steps")
+    decoded = case.replace(layer_steps=steps)
+    # a case in a known defect's domain says nothing here: one of the whole-sequence run is in both runs, in
+    # different measure; the decoding ones (dt_limit ignored) break the relation only where the clamp moves a
+    # decoded output past the budget. The registry test pins each with its example.
+    assume(known.matching(name, case) is None and known.matching(name, decoded) is None)
+    with Examiner([name], device) as examiner:
+        holds(metamorphic.layer_decoded, examiner, impl, case, steps)
+
+
 # ---- teeth: a planted violation fails each -----------------------------------------------------------------
 
 TOOTH = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=4, initial_states=True,
@@ -144,6 +167,15 @@ def test_packed_alone_fails_where_the_state_is_not_reset_between_sequences(devic
     with Examiner(["harness.doubles:healthy"], device) as examiner:
         assert metamorphic.packed_alone(examiner, doubles.healthy, packed).ok
         broken = metamorphic.packed_alone(examiner, doubles.reset_bug, packed)
+    assert not broken.ok and broken.ratios["y"] > 1, broken.message()
+
+
+def test_layer_decoded_fails_where_the_decoded_tokens_drop_the_skip(device):
+    case = Case(entry="layer", batch=2, seqlen=7, nheads=2, headdim=3, dstate=4, chunk_size=4, d_model=6,
+                return_final_states=False, rmsnorm_eps=1e-5, seed=5)
+    with Examiner(["harness.doubles:layer"], device) as examiner:
+        assert metamorphic.layer_decoded(examiner, doubles.layer, case, 3).ok
+        broken = metamorphic.layer_decoded(examiner, doubles.layer_decode_bug, case, 3)
     assert not broken.ok and broken.ratios["y"] > 1, broken.message()
 
 
