@@ -78,10 +78,13 @@ def row_decay(case: Case) -> float:
     """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
     inputs (drawn deterministically from its seed; cached: asked for the same case while drawing and judging)."""
     values = draw(case)[0]
+    return float((_dt_prime(case, values) * values["A"]).abs().sum(1).max())
+
+
+def _dt_prime(case: Case, values: dict) -> torch.Tensor:
+    """dt after the bias and the softplus, as the scan takes it (no clamp), from drawn ``values``."""
     dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
-    if case.dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
-    return float((dt * values["A"]).abs().sum(1).max())
+    return torch.nn.functional.softplus(dt) if case.dt_softplus else dt
 
 
 @functools.lru_cache(maxsize=512)
@@ -90,9 +93,7 @@ def ragged_end_decay(case: Case) -> float:
     chunk_size boundary of the row), from the sequence's start or the chunk's, whichever is later: the within-chunk
     cumsum a chunked kernel reads there (0 when every sequence ends on a boundary)."""
     values = draw(case)[0]
-    dt = values["dt"] + (values["dt_bias"] if "dt_bias" in values else 0.0)
-    if case.dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
+    dt = _dt_prime(case, values)
     if case.dt_limit is not None:
         dt = dt.clamp(*case.dt_limit)
     dA = (dt * values["A"]).abs()                                            # (b, L, h)
