@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -174,6 +175,12 @@ def cmd_fuzz(args) -> int:
         minimize=not getattr(args, "no_minimize", False), bounds=bounds, pool=getattr(args, "pool", None),
         known=DEMO["known"] if demo else getattr(args, "known", "report"),
         oracle=getattr(args, "oracle", None) or "ref.chunked")
+    if getattr(args, "no_report", False):
+        config.report_dir = None
+    if getattr(args, "jobs", 1) > 1:
+        from harness import jobs
+
+        return jobs.run(args, args.argv[1:], console, Console(stderr=True))
     try:
         fuzzer = Fuzzer(config, started=STARTED)
     except UsageError as err:
@@ -213,12 +220,23 @@ def cmd_fuzz(args) -> int:
             err_console.print(line(), highlight=False, soft_wrap=True)
 
     fuzzer.progress = progress
-    if err_console.is_terminal:
-        with Live(Line(), console=err_console, refresh_per_second=2, transient=False):
+
+    def interrupted(signum, frame):
+        # The first Ctrl-C (or a `--jobs` parent's SIGINT) ends the search after the case being judged, with
+        # the summary and report written; a second one interrupts at once.
+        fuzzer.request_stop("interrupted")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        if err_console.is_terminal:
+            with Live(Line(), console=err_console, refresh_per_second=2, transient=False):
+                report = fuzzer.run()
+        else:
             report = fuzzer.run()
-    else:
-        report = fuzzer.run()
-        err_console.print(line(), highlight=False, soft_wrap=True)
+            err_console.print(line(), highlight=False, soft_wrap=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     for finding in report.findings:
         console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
                      f"{finding.cases_before + 1} cases judged)")
@@ -305,6 +323,11 @@ def _add_fuzz_arguments(p, demo: bool = False):
                         "hangs become verdicts and the run goes on")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per run under --isolate")
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
+    p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="run the campaign as N processes side by side, each with its own seed and a share of the "
+                        "example budget and compile workers, merged into one output (harness/jobs.py); exit 3 "
+                        "when a job died without a divergence found")
+    p.add_argument("--no-report", action="store_true", help="do not render the HTML report")
     p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
     p.add_argument("--no-minimize", action="store_true", help="do not minimize divergences (minimized.json, repro.py)")
     p.add_argument("--known", choices=("report", "skip", "ignore"), default="report",
@@ -315,6 +338,13 @@ def _add_fuzz_arguments(p, demo: bool = False):
         p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",
                        help=f"largest {name} drawn")
     p.add_argument("--chunk-sizes", default=None, metavar="Q[,Q]", help="chunk sizes drawn (powers of two)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _sides_for(args, path) -> tuple:
@@ -503,6 +533,7 @@ def main(argv=None) -> int:
     runtime.configure()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except UsageError as err:

@@ -48,6 +48,11 @@ def at_production_shape(case) -> bool:
 
 
 ROUND_EXAMPLES = 100
+# How long a key's representative case waits for the workers compiling it ahead (harness/precompile.py); past
+# that, this process compiles what is missing itself.
+COMPILE_WAIT_S = 120.0
+# How often a campaign rewrites progress.json in its output folder (seconds).
+PROGRESS_FILE_S = 2.0
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
 
 # Larger shapes where kernels run natively (the float64 oracle on a GPU keeps up).
@@ -264,6 +269,8 @@ class Fuzzer:
                         "releases": defect.releases, "statement": defect.statement, "status": defect.status,
                         "reproduced": 0, "matched_not_reproduced": 0, "first_example": None})
         self._start = None
+        self._stop_requested: Optional[str] = None
+        self._progress_written = -PROGRESS_FILE_S
         self._signatures: dict = {}
         self.compiler = None
         if self.pool is not None and cfg.compile_ahead:
@@ -296,8 +303,16 @@ class Fuzzer:
     def _elapsed(self) -> float:
         return time.perf_counter() - self._start
 
+    def _time_left(self, cap: float) -> float:
+        """``cap`` seconds, or what is left of the time budget if less."""
+        if self.config.max_time is None:
+            return cap
+        return min(cap, self.config.max_time - self._elapsed())
+
     def _out_of_budget(self) -> Optional[str]:
         cfg = self.config
+        if self._stop_requested:
+            return self._stop_requested
         if cfg.max_time is not None and self._elapsed() >= cfg.max_time:
             return f"time budget ({cfg.max_time:g} s) spent"
         if cfg.max_examples is not None and self.report.tried >= cfg.max_examples:
@@ -364,17 +379,27 @@ class Fuzzer:
         store.write_summary(self.out_dir, self.report.summary())
 
     def _progress(self, last: Optional[Outcome]):
-        if self.progress is None:
-            return
+        """Tell ``progress`` where the campaign stands, and (every PROGRESS_FILE_S) write it to progress.json
+        in the output folder, for whoever watches a long run (`ssdiff fuzz --jobs` merges its jobs' lines)."""
         r = self.report
         elapsed = self._elapsed()
-        self.progress({"tried": r.tried, "skipped": r.skipped, "elapsed": elapsed,
-                       "per_minute": 60.0 * r.tried / elapsed if elapsed > 0 else 0.0,
-                       "max_time": self.config.max_time, "max_examples": self.config.max_examples,
-                       "worst": r.worst, "divergences": len(r.findings),
-                       "known": sum(k["reproduced"] for k in r.known.values()),
-                       "ahead": self.compiler.progress() if self.compiler else None,
-                       "last": last.case.describe() if last else None})
+        state = {"tried": r.tried, "skipped": r.skipped, "elapsed": elapsed,
+                 "per_minute": 60.0 * r.tried / elapsed if elapsed > 0 else 0.0,
+                 "max_time": self.config.max_time, "max_examples": self.config.max_examples,
+                 "worst": r.worst, "divergences": len(r.findings),
+                 "known": sum(k["reproduced"] for k in r.known.values()),
+                 "ahead": self.compiler.progress() if self.compiler else None,
+                 "last": last.case.describe() if last else None}
+        if elapsed - self._progress_written >= PROGRESS_FILE_S:
+            self._progress_written = elapsed
+            store.write_progress(self.out_dir, state)
+        if self.progress is not None:
+            self.progress(state)
+
+    def request_stop(self, why: str = "interrupted") -> None:
+        """End the search after the case being judged (a signal handler may call it): the summary and the
+        report are written as for a spent budget."""
+        self._stop_requested = why
 
     def _minimize(self, finding: Finding):
         """Shrink one finding in its folder (minimized.json, minimized-verdict.json, repro.py). A run that
@@ -457,6 +482,8 @@ class Fuzzer:
             for case in dict.fromkeys(key.case(backward=b) for b in backward):
                 if self._out_of_budget():
                     return False
+                if self.compiler is not None:
+                    self.compiler.wait(case, self._time_left(COMPILE_WAIT_S))
                 choice = key.boundary.config if key.boundary is not None and self.config.autotune in (
                     "tuned", "random") else (0 if self.config.autotune == "random" else self.config.autotune)
                 if self._judge(case, choice):

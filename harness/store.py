@@ -26,6 +26,7 @@ from typing import Optional
 FORMAT = 2
 
 SUMMARY = "summary.json"
+PROGRESS = "progress.json"
 CASE = "case.json"
 VERDICT = "verdict.json"
 MESSAGE = "message.txt"
@@ -88,6 +89,15 @@ def write_summary(run_dir, summary: dict) -> pathlib.Path:
     run = pathlib.Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     return _write_json(run / SUMMARY, {"format": FORMAT, **summary})
+
+
+def write_progress(run_dir, state: dict) -> pathlib.Path:
+    """progress.json: where a running campaign stands (cases, skipped, rate, worst ratios, elapsed)."""
+    run = pathlib.Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    tmp = run / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(state, default=str) + "\n", encoding="utf-8")
+    return tmp.replace(run / PROGRESS)         # atomic: a reader never sees half a file
 
 
 def write_minimized(folder, minimal, record: dict) -> list:

@@ -1,0 +1,69 @@
+"""`ssdiff fuzz --jobs N`: a campaign split over processes reads as one (harness/jobs.py)."""
+
+from __future__ import annotations
+
+import json
+
+from harness import jobs, store
+from harness.cli import main
+
+
+def test_each_job_gets_its_own_seed_output_and_share_of_the_examples():
+    argv = ["--impl", "x", "--seed=3", "--jobs", "4", "--out", "o", "--max-examples", "10", "--keep-going"]
+    assert jobs.job_argv(argv, 7, "o/job-1", 3) == ["--impl", "x", "--keep-going", "--seed", "7", "--out", "o/job-1",
+                                                    "--no-report", "--max-examples", "3"]
+    assert jobs.shares(10, 4) == [3, 3, 2, 2] and sum(jobs.shares(7, 3)) == 7
+    assert jobs.shares(None, 2) == [None, None]
+
+
+def _job(tmp_path, i, signature_ratio, divergences, known_count):
+    d = tmp_path / f"job-{i}"
+    items = []
+    for n, sig in enumerate(divergences, 1):
+        folder = d / f"divergence-{n:03d}"
+        folder.mkdir(parents=True)
+        (folder / store.MESSAGE).write_text(f"job {i} {sig}")
+        items.append({"number": n, "path": str(folder), "signature": sig, "repeats": 1, "found_after_s": 1.0,
+                      "case": "c", "summary": sig})
+    store.write_summary(d, {
+        "impl": "x", "cases_tried": 10 + i, "cases_skipped": 1, "skip_reasons": {"why": 1}, "stopped": "time",
+        "largest_ratio_by_dtype": {"float32": {"ratio": signature_ratio, "side": "x", "tensor": "y", "case": "c"}},
+        "largest_ratio_by_side": {}, "divergences": items, "first_divergence_after_s": 1.0 + i,
+        "known": [{"id": "k", "reproduced": known_count, "matched_not_reproduced": 0, "first_example": {"a": i},
+                   "first_after_s": 5.0 - i, "first_case": f"case {i}"}],
+        "throughput": {"judged": 10 + i, "search_s": 30.0 + i, "setup_s": 2.0, "first_judged_after_s": 3.0 + i,
+                       "production_shape_cases": 1, "per_case": {"other": {"cases": 10, "examine_s": 0.1,
+                                                                           "kernels_s": 0.05}}}})
+    return d
+
+
+def test_merged_summary_sums_the_jobs_and_keeps_one_folder_per_signature(tmp_path):
+    dirs = [_job(tmp_path, 0, 0.2, ["a", "b"], 2), _job(tmp_path, 1, 0.7, ["b", "c"], 3)]
+    merged = jobs.merge(tmp_path, dirs, 11, 40.0, [1, 1])
+    assert merged["cases_tried"] == 21 and merged["cases_skipped"] == 2 and merged["skip_reasons"] == {"why": 2}
+    assert [d["signature"] for d in merged["divergences"]] == ["a", "b", "c"]
+    assert [d["repeats"] for d in merged["divergences"]] == [1, 3, 1]          # b: 1 + job 1's (1 + 1 repeat)
+    for number, d in enumerate(merged["divergences"], 1):
+        assert d["path"] == str(tmp_path / f"divergence-{number:03d}")
+        assert (tmp_path / f"divergence-{number:03d}" / store.MESSAGE).is_file()
+    assert (tmp_path / "job-1" / "divergence-001").is_dir()                   # b again: stays with its job
+    assert merged["largest_ratio_by_dtype"]["float32"]["ratio"] == 0.7
+    assert merged["known"][0]["reproduced"] == 5 and merged["known"][0]["first_case"] == "case 1"
+    t = merged["throughput"]
+    assert t["judged"] == 21 and t["search_s"] == 31.0 and t["judged_per_minute"] == round(21 / (31 / 60), 1)
+    assert t["first_judged_after_s"] == 3.0 and t["per_case"]["other"]["cases"] == 20
+    assert [j["seed"] for j in merged["jobs"]] == [11, 11 + jobs.SEED_STRIDE]
+
+
+def test_jobs_find_a_planted_bug_stop_each_other_and_write_one_run(tmp_path, device, capsys):
+    out = tmp_path / "run"
+    assert main(["fuzz", "--impl", "harness.doubles:mask_bug", "--max-examples", "400", "--pass", "forward",
+                 "--dtype", "float32", "--seed", "4", "--device", device, "--out", str(out), "--jobs", "2",
+                 "--no-minimize", "--no-report"]) == 1
+    summary = json.loads((out / store.SUMMARY).read_text())
+    parts = [json.loads((out / f"job-{i}" / store.SUMMARY).read_text()) for i in range(2)]
+    assert summary["cases_tried"] == sum(p["cases_tried"] for p in parts)
+    assert len(summary["divergences"]) >= 1 and (out / "divergence-001" / "case.json").is_file()
+    assert "divergence found" in {p["stopped"] for p in parts}
+    assert all(p["stopped"] in ("divergence found", "interrupted") or "budget" in p["stopped"] for p in parts)
+    assert "divergence 1 (job" in capsys.readouterr().out
