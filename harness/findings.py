@@ -215,6 +215,18 @@ DRAFTS = {
                   "None`) calls `selective_state_update(..., dt_bias=dt_bias, dt_softplus=True)` with no limit.",
         call="fla.layers.mamba2.Mamba2.cuda_kernels_forward",
         needs="torch, triton, einops, flash-linear-attention, fla-core, transformers and mamba-ssm"),
+    "fla-mamba2-torch-gate-gradient-overflow": Draft(
+        title="Mamba2 (fla.layers.mamba2) torch path, float16, rmsnorm=False: Inf gradients where the true ones "
+              "are finite (the gate's gradient is materialized in float16)",
+        should="The gradients of a float16 layer are finite wherever their values fit float16: the gate's gradient "
+               "dz = dout * y * silu'(gate) is formed in float32 before it is stored, as mamba_chunk_scan_combined "
+               "(z=...) and the layer's own RMSNormGated kernel form it, rather than through a float16 "
+               "intermediate d(silu(gate)) = dout * y that can pass 65504 where silu' is small.",
+        code_path="`fla/layers/mamba2.py`, `Mamba2.torch_forward`, both branches: `scan_output = y * "
+                  "self.act(gate)` with y the float32 scan output and gate in the activations' dtype; the "
+                  "multiplication's backward returns the gradient of `self.act(gate)` in that dtype.",
+        call="fla.layers.mamba2.Mamba2.torch_forward",
+        needs="torch, triton, einops, flash-linear-attention, fla-core and transformers"),
     "transformers-mamba2-decode-ignores-dt-limit": Draft(
         title="Mamba2Mixer: cached decoding ignores time_step_limit (dt is not clamped on the single-token path)",
         should="Each decoded token's dt is clamped to time_step_limit exactly as the chunked path clamps it, so "
