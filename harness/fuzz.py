@@ -13,7 +13,8 @@ come from the compile keys of harness/pool.py, one key swapped per round) with `
 ratio that no known defect explains, so that with an example budget the second half of it climbs toward larger
 errors; a time budget alone runs rounds of ROUND_EXAMPLES, plain generation and targeted search in turn. It stops at the
 first divergence unless ``keep_going`` (then divergences are bucketed by which side fails, how, and in which
-tensors), at the time budget, or at the example budget. Cases outside an implementation's capabilities are
+tensors, and localized once the search ends, the time budget being the search's), at the time budget, or at the
+example budget. Cases outside an implementation's capabilities are
 first fitted (the features it cannot express switched off) and skipped, with the reason counted, when that is
 not enough.
 
@@ -339,21 +340,26 @@ class Fuzzer:
         if sig in self._signatures:
             self._signatures[sig].repeats += 1
             return None
-        cfg = self.config
-        if cfg.localize:
-            loc, staged = localize.investigate(self.examiner, outcome, cfg.ablation_runs,
-                                               explore_configs=cfg.autotune != "tuned")
-        else:
-            loc, staged = {"sides": localize.sides(outcome.verdicts, outcome.pair or None)}, {}
-            loc["text"] = loc["sides"]["text"]
+        loc = {"sides": localize.sides(outcome.verdicts, outcome.pair or None)}
+        loc["text"] = loc["sides"]["text"]
         finding = Finding(number=len(self.report.findings) + 1, outcome=outcome, localization=loc,
-                          found_after_s=self._elapsed(), cases_before=self.report.tried - 1, staged=staged)
+                          found_after_s=self._elapsed(), cases_before=self.report.tried - 1)
         self._signatures[sig] = finding
         self.report.findings.append(finding)
         if self.report.first_divergence_s is None:
             self.report.first_divergence_s = finding.found_after_s
+        if self.config.localize and not self.config.keep_going:
+            self._localize(finding)
         finding.path = str(self._write(finding))
         return finding
+
+    def _localize(self, finding: Finding) -> None:
+        """Stage, coordinates, trigger (harness/localize.py): re-runs with stages, ablations, configs. With
+        keep_going it runs after the search, as minimization does: natively each ablation is a new kernel
+        specialization compiled on the spot, and localizing one divergence in the middle of a campaign took
+        its whole time budget (an H200 layer campaign: 11 cases judged in 165 s)."""
+        finding.localization, finding.staged = localize.investigate(
+            self.examiner, finding.outcome, self.config.ablation_runs, explore_configs=self.config.autotune != "tuned")
 
     def _write(self, finding: Finding):
         o = finding.outcome
@@ -595,6 +601,11 @@ class Fuzzer:
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]
+            if cfg.localize and cfg.keep_going:
+                for finding in self.report.findings:
+                    self._localize(finding)
+                    self._write(finding)
+                self._write_summary()
             if cfg.minimize:
                 for finding in self.report.findings:
                     self._minimize(finding)

@@ -78,6 +78,19 @@ def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path, device):
     assert minimal.seqlen % minimal.chunk_size and minimal.segments is None and not minimal.has_z
 
 
+def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, device, monkeypatch):
+    spec = "harness.doubles:mask_bug"
+    searching = []
+    real = Fuzzer._localize
+    monkeypatch.setattr(Fuzzer, "_localize", lambda self, f: (searching.append(self.report.search_s), real(self, f)))
+    report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",), keep_going=True)
+    finding = only_finding(report)
+    assert searching and all(s > 0 for s in searching)          # search_s is set when the search has ended
+    assert finding.localization["per_side"][spec]["stages"]["first"] == "scan"
+    message = (tmp_path / "divergence-001" / "message.txt").read_text()
+    assert "first divergent stage: scan" in message             # the folder is rewritten with the localization
+
+
 def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path, device):
     spec = "harness.doubles:mask_bug"
     report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",))
