@@ -227,7 +227,10 @@ def cmd_fuzz(args) -> int:
         fuzzer.request_stop("interrupted")
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        previous = signal.signal(signal.SIGINT, interrupted)
+    except ValueError:                      # not the main thread: no handler, Ctrl-C interrupts at once
+        previous = None
     try:
         if err_console.is_terminal:
             with Live(Line(), console=err_console, refresh_per_second=2, transient=False):
@@ -236,7 +239,8 @@ def cmd_fuzz(args) -> int:
             report = fuzzer.run()
             err_console.print(line(), highlight=False, soft_wrap=True)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     for finding in report.findings:
         console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
                      f"{finding.cases_before + 1} cases judged)")

@@ -188,7 +188,9 @@ def run(args, argv: list, console, err_console) -> int:
         d.mkdir(exist_ok=True)
         log = open(d / "log.txt", "w", encoding="utf-8")
         cmd = [sys.executable, "-m", "harness.cli", "fuzz", *job_argv(argv, seed + i * SEED_STRIDE, str(d), examples)]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        # Each job in a session of its own: a Ctrl-C at the terminal reaches the parent alone, which passes one
+        # SIGINT on (a job's first SIGINT ends its search gracefully; a second would interrupt it at once).
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         dirs.append(d)
         logs.append(log)
     err_console.print(f"fuzz {args.impl} in {n} jobs (seeds {seed} + {SEED_STRIDE} i, {workers} compile workers each) "

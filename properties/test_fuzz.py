@@ -91,6 +91,16 @@ def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, de
     assert "first divergent stage: scan" in message             # the folder is rewritten with the localization
 
 
+def test_a_stop_request_ends_the_search_after_the_case_being_judged(tmp_path, device):
+    config = FuzzConfig(impl="harness.doubles:healthy", out_dir=str(tmp_path), device=device, report_dir=None,
+                        max_time=None, max_examples=50, seed=1)
+    fuzzer = Fuzzer(config, progress=lambda state: state["tried"] >= 3 and fuzzer.request_stop("interrupted"))
+    report = fuzzer.run()
+    assert report.tried == 3 and report.stopped == "interrupted"
+    assert json.load(open(tmp_path / "summary.json"))["stopped"] == "interrupted"
+    assert json.load(open(tmp_path / "progress.json"))["tried"] >= 1       # written as the campaign went
+
+
 def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path, device):
     spec = "harness.doubles:mask_bug"
     report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",))
