@@ -33,7 +33,8 @@ back in its dtype every step, dt processing (`_dt`), ``exp(A * dt)``, ``B * dt``
 ``state * dA + dB * x``, the y reduction ``sum(state * C)`` over dstate, the D skip's ``x * D``, the z gate.
 
 `evaluate(case, inputs)` returns an `harness.evaluation.Evaluation` (float64 tensors, the oracle's layouts and
-stage names), so every output, gradient and stage has a baseline to be judged against.
+stage names), so every output, gradient and stage has a baseline to be judged against. `evaluate_samples` gets
+every sample the verdict needs from one evaluation (`evaluate_folded`: the samples folded into the batch rows).
 """
 
 from __future__ import annotations
@@ -109,11 +110,46 @@ class Signs:
         self.seed = seed
         self._generators: dict = {}
 
-    def like(self, t: torch.Tensor) -> torch.Tensor:
+    def like(self, t: torch.Tensor, shape: Optional[tuple] = None) -> torch.Tensor:
+        """Signs of ``t``'s shape (or ``shape``), dtype and device."""
         gen = self._generators.get(t.device)
         if gen is None:
             gen = self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
-        return torch.randint(0, 2, t.shape, generator=gen, device=t.device, dtype=torch.int8).to(t.dtype) * 2 - 1
+        shape = t.shape if shape is None else shape
+        return torch.randint(0, 2, shape, generator=gen, device=t.device, dtype=torch.int8).to(t.dtype) * 2 - 1
+
+
+class FoldedSigns:
+    """The random signs of several evaluations folded into one (`evaluate_folded`): fold i of a tensor (rows
+    i*m .. (i+1)*m - 1, m = its rows / the folds) draws from sample k_i's own generator, ``Signs(7919 k_i)``, in the
+    order that evaluation alone would draw, so a folded sample is the sample evaluated alone; a fold of sample 0
+    (round to nearest) gets zeros, which move nothing."""
+
+    def __init__(self, samples: tuple):
+        self.samples = tuple(samples)
+        self._signs = [Signs(7919 * k) if k else None for k in self.samples]
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        if len(self._signs) == 1:
+            return self._signs[0].like(t)
+        m, rest = divmod(t.shape[0], len(self._signs))
+        assert rest == 0 and m > 0, f"a rounding point's leading axis {t.shape[0]} is not {len(self._signs)} folds"
+        parts, zeros = [], 0                    # consecutive folds of sample 0 share one block of zeros
+        for s in self._signs:
+            if s is None:
+                zeros += 1
+                continue
+            if zeros:
+                parts.append(t.new_zeros((zeros * m,) + t.shape[1:]))
+                zeros = 0
+            parts.append(s.like(t, (m,) + t.shape[1:]))
+        if zeros:
+            parts.append(t.new_zeros((zeros * m,) + t.shape[1:]))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def fold(self, i: int) -> Optional[Signs]:
+        """Fold i's own generator (None for a sample rounded to nearest), for a tensor of that fold alone."""
+        return self._signs[i]
 
 
 # Half the spacing of the subnormals, where they matter: below float16's smallest normal (6.1e-5) a rounding errs
@@ -172,12 +208,19 @@ class Rounding:
     does not depend on one lucky draw (a gradient summed over every token with cancellation is one number;
     a single baseline can land on it by chance)."""
 
-    def __init__(self, dot_precision: str, store_precision: Optional[str], sample: int = 0,
+    def __init__(self, dot_precision: str, store_precision: Optional[str], samples: tuple = (0,),
                  linear_precision: Optional[str] = None):
-        self.gen = Signs(7919 * sample) if sample else None
+        """``samples``: the sample of each fold (`evaluate_folded`); one fold, (0,), when not folded."""
+        self.gen = FoldedSigns(samples) if any(samples) else None
         self.dot_precision = dot_precision
         self.store_precision = store_precision
         self.linear_precision = linear_precision or dot_precision
+
+    def fold(self, i: int) -> "Rounding":
+        """This rounding for fold i's tensors alone (no fold axis)."""
+        one = Rounding(self.dot_precision, self.store_precision, (0,), self.linear_precision)
+        one.gen = self.gen.fold(i) if self.gen is not None else None
+        return one
 
     def _apply(self, t, precision, perturb_value=True):
         if precision == "float32" and self.gen is None:
@@ -218,10 +261,31 @@ class Rounding:
 EXACT = Rounding("float32", None)
 
 
+def over_rows(p: Optional[torch.Tensor], folds: int, rows: int, lead: int = 0) -> Optional[torch.Tensor]:
+    """A parameter as the rows of folded activations see it. Not folded (``folds`` 0) it is shared and returned
+    as is; folded, it carries a leading axis of ``folds`` and each of the ``rows`` gets its fold's value, with
+    ``lead`` unit axes after the row axis for broadcasting: (folds, *s) -> (rows, 1 x lead, *s)."""
+    if p is None or not folds:
+        return p
+    per_row = p.repeat_interleave(rows // folds, dim=0)
+    return per_row.reshape(per_row.shape[:1] + (1,) * lead + per_row.shape[1:])
+
+
+def _linear(x, weight, bias, folds: int):
+    """torch's F.linear; folded, each row with its fold's weight and bias (a batched matmul)."""
+    if not folds:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    out = torch.matmul(x, over_rows(weight, folds, rows).transpose(-1, -2))
+    return out + over_rows(bias, folds, rows, lead=1) if bias is not None else out
+
+
 def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=None, dt_bias=None, dt_softplus=False,
-         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, want_varlen=False):
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, want_varlen=False, folds: int = 0):
     """The model kernel's scan on float32 tensors, rounding as ``rounding`` says.
-    Returns (y, final_states, varlen_states, stages) in float32."""
+    Returns (y, final_states, varlen_states, stages) in float32. ``folds``: 0, or the evaluations folded into
+    the batch rows (`evaluate_folded`: A, D, dt_bias then carry a leading axis of folds; varlen_states is
+    (folds, nseq, h, p, n))."""
     dot, operand, keep = rounding.dot, rounding.operand, rounding.keep
     b, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -231,7 +295,8 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     r = h // g
     dev = x.device
 
-    d = keep(_dt(dt, dt_bias, dt_softplus, dt_limit, rounding))              # (b, L, h) fp32
+    A = over_rows(A, folds, b, lead=2)                                       # (h,), or (b, 1, 1, h) folded
+    d = keep(_dt(dt, over_rows(dt_bias, folds, b, lead=1), dt_softplus, dt_limit, rounding))   # (b, L, h) fp32
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=dev)
 
     def chunks(t):
@@ -311,12 +376,15 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
         "scan": y,
     }
     varlen = None
-    if want_varlen and seq_idx is not None and b == 1:
-        varlen = _sequence_end_states(seq[0], seg[0], cs_g[0], d_g[0], xq[0], Bq[0], passed[0], prev_last[0], Q, L,
-                                      rounding)
+    if want_varlen and seq_idx is not None and b == max(folds, 1):
+        ends = [_sequence_end_states(seq[i], seg[i], cs_g[i], d_g[i], xq[i], Bq[i], passed[i], prev_last[i], Q, L,
+                                     rounding.fold(i) if folds else rounding) for i in range(b)]
+        varlen = (torch.stack(ends) if ends[0] is not None else None) if folds else ends[0]
     if D is not None:
         # acc += x * D in float32 (mamba_ssm ssd_chunk_scan.py): the scan and the skip may cancel.
-        y = y + keep((D[:, None] if D.dim() == 1 else D) * x)
+        per_head = D.dim() == (2 if folds else 1)
+        D = over_rows(D, folds, b, lead=1)
+        y = y + keep((D[..., None] if per_head else D) * x)
         stages["skip"] = y
     if z is not None:
         y = rounding.grad_store(y) * F.silu(z)
@@ -344,18 +412,22 @@ def _dt(dt, dt_bias, dt_softplus, dt_limit, rounding: Rounding = EXACT):
 
 
 def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precision: str = "float32", D=None,
-              z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+              z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf), folds: int = 0):
     """The model step kernel: ``x.shape[1]`` single-token steps from ``state`` on float32 tensors.
 
     x (b, s, h, p), dt (b, s, h), A (h,), B/C (b, s, g, n), state (b, h, p, n) as loaded (already in its dtype),
     D (h,) or (h, p), z like x, dt_bias (h,). As mamba_ssm's _selective_scan_update_kernel computes a step with
     the per-head parameters broadcast over headdim (Mamba-2's tie_hdim): dt (+ dt_bias, softplus) once per head
     in float32; dA = exp(A * dt); dB = B * dt; state = state * dA + dB * x, stored back in ``state_precision``;
-    y = sum_n state * C in float32; y += x * D; y *= silu(z). Returns (y (b, s, h, p), final state), float32."""
+    y = sum_n state * C in float32; y += x * D; y *= silu(z). Returns (y (b, s, h, p), final state), float32.
+    ``folds`` as for `scan`."""
     keep = rounding.keep
     b, steps, h, p = x.shape
     g = B.shape[2]
     heads = torch.arange(h, device=x.device) // (h // g)
+    A, dt_bias = over_rows(A, folds, b), over_rows(dt_bias, folds, b)
+    per_head = D is not None and D.dim() == (2 if folds else 1)
+    D = over_rows(D, folds, b)
     ys = []
     for t in range(steps):
         d = _dt(dt[:, t], dt_bias, dt_softplus, dt_limit, rounding)             # (b, h)
@@ -365,21 +437,22 @@ def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precis
         state = rounding._apply(keep(keep(state * dA) + update), state_precision)
         y = keep((state * C[:, t][:, heads][:, :, None, :]).sum(-1))           # (b, h, p)
         if D is not None:
-            y = keep(y + keep((D[:, None] if D.dim() == 1 else D) * x[:, t]))
+            y = keep(y + keep((D[..., None] if per_head else D) * x[:, t]))
         if z is not None:
             y = y * F.silu(z[:, t])
         ys.append(y)
     return torch.stack(ys, dim=1), state
 
 
-def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT):
+def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT, folds: int = 0):
     """The depthwise causal conv1d as causal_conv1d computes it (float32; the bias first, then one
     multiply-add per tap, oldest first), each partial sum a rounding point: where the taps cancel, their
     rounding (u times the partial sums) is most of the output's error. A tap from another sequence (seq_idx)
     counts nothing. (b, L, ch) -> (b, L, ch)."""
     b, L, ch = xBC.shape
-    W = weight.shape[1]
-    acc = bias.expand(b, L, ch)
+    W = weight.shape[-1]
+    weight = over_rows(weight, folds, b, lead=1)                             # (ch, W), or (b, 1, ch, W) folded
+    acc = over_rows(bias, folds, b, lead=1).expand(b, L, ch)
     for k in range(W):
         shift = W - 1 - k                                                    # tap k reads `shift` tokens back
         if shift >= L:
@@ -387,7 +460,7 @@ def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT):
         src = F.pad(xBC, (0, 0, shift, 0))[:, :L]
         if shift:
             src = src * (F.pad(seq, (shift, 0), value=-2)[:, :L] == seq).to(src.dtype)[..., None]
-        acc = rounding.keep(acc + weight[:, k] * src)
+        acc = rounding.keep(acc + weight[..., k] * src)
     return F.silu(acc) if activation == "silu" else acc
 
 
@@ -417,12 +490,12 @@ def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L,
     return torch.stack(states) if states else None
 
 
-def _mixer_scan(case: Case, rounding: Rounding, x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx):
+def _mixer_scan(case: Case, rounding: Rounding, x, dt, A, B, C, *, D, z, dt_bias, initial_states, seq_idx, folds):
     """The mixer's scan: the chunked model, or for a decoded layer (``layer_steps``) the chunked model over the
     prefill and the step model (`step_scan`) over the decoded tokens from its final state, held in the state
     dtype of the layer's cache (its in_proj's dtype: the case dtype). Returns (y, final, stages); a decoded
     layer exposes no SSD stages (its steps have none)."""
-    kw = dict(rounding=rounding, dt_bias=dt_bias, dt_softplus=True, dt_limit=case.dt_limit_or_default)
+    kw = dict(rounding=rounding, dt_bias=dt_bias, dt_softplus=True, dt_limit=case.dt_limit_or_default, folds=folds)
     if not (case.entry == "layer" and case.layer_steps):
         y, final, _, stages = scan(x, dt, A, B, C, chunk_size=case.chunk_size, D=D, z=z, initial_states=initial_states,
                                    seq_idx=seq_idx, **kw)
@@ -437,21 +510,22 @@ def _mixer_scan(case: Case, rounding: Rounding, x, dt, A, B, C, *, D, z, dt_bias
     return torch.cat([y0, y1], dim=1), final, {}
 
 
-def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
-    """The fused mixer: conv1d (stored in the case dtype) -> scan -> gated RMSNorm (stored) -> out_proj."""
+def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
+    """The fused mixer: conv1d (stored in the case dtype) -> scan -> gated RMSNorm (stored) -> out_proj.
+    ``folds`` as for `scan` (the parameters carry a leading axis of folds)."""
     h, p, g, n = case.nheads, case.headdim, case.ngroups, case.dstate
     dim = case.dim
     b, L, _ = tensors["zxbcdt"].shape
     zx0, z, xBC, dt = torch.split(tensors["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=xBC.device)
     dot, store = rounding.dot, rounding.store
-    xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding))
+    xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding, folds))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
     y, final, stages = _mixer_scan(
         case, rounding, x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
         D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)), dt_bias=tensors["dt_bias"],
-        initial_states=tensors.get("initial_states"), seq_idx=seq_idx)
+        initial_states=tensors.get("initial_states"), seq_idx=seq_idx, folds=folds)
     stages = {"conv": xBC, **stages}
     y = y.flatten(-2)
     if rms is not None:
@@ -459,42 +533,73 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding):
         # input in that dtype on the way back): both rounding points, which the norm's cancellation can amplify
         # (measured: one token, a 2-wide group, fp16: a gradient of D 0.55 off relative, in mamba's fused mixer,
         # its ref and ssdiff's kernel alike, bit for bit).
-        y = norm_vectorized(store(y), z, rms, g, case.rmsnorm_eps, case.norm_before_gate)
+        y = norm_vectorized(store(y), z, over_rows(rms, folds, b, lead=1), g, case.rmsnorm_eps, case.norm_before_gate)
     if case.d_nonssm:
         y = torch.cat([_swiglu(zx0, case.d_nonssm, rounding), y], dim=-1)
     if rms is not None or case.d_nonssm:
         y = store(y)
         stages["normed"] = y
     if "outproj_weight" in tensors:
-        y = F.linear(rounding.linear_operand(y), rounding.linear_operand(tensors["outproj_weight"]),
-                     tensors.get("outproj_bias"))
+        y = _linear(rounding.linear_operand(y), rounding.linear_operand(tensors["outproj_weight"]),
+                    tensors.get("outproj_bias"), folds)
     return y, final, stages
 
 
-def _layer(tensors, case: Case, seq_idx, rounding: Rounding):
+def _layer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
     """The whole layer: in_proj (torch's F.linear, its output stored in the case dtype: every layer hands zxbcdt
     to its kernels in it), A = -exp(A_log) in float32, then the fused mixer model (`_mixer`)."""
     u = tensors["u"]
-    zxbcdt = rounding.store(F.linear(rounding.linear_operand(u), rounding.linear_operand(tensors["in_proj_weight"]),
-                                     tensors.get("in_proj_bias")))
+    zxbcdt = rounding.store(_linear(rounding.linear_operand(u), rounding.linear_operand(tensors["in_proj_weight"]),
+                                    tensors.get("in_proj_bias"), folds))
     bias = tensors.get("conv1d_bias")
     mixer_tensors = dict(tensors, zxbcdt=zxbcdt, A=rounding.keep(-torch.exp(tensors["A_log"])),
-                         conv1d_bias=bias if bias is not None else u.new_zeros(tensors["conv1d_weight"].shape[0]))
-    y, final, stages = _mixer(mixer_tensors, case, seq_idx, rounding)
+                         conv1d_bias=bias if bias is not None else u.new_zeros(tensors["conv1d_weight"].shape[:-1]))
+    y, final, stages = _mixer(mixer_tensors, case, seq_idx, rounding, folds)
     return y, final, {"in_proj": zxbcdt, **stages}
 
 
 SAMPLES = 3
 
 
+# Inputs without a batch axis: a folded evaluation stacks them on a leading axis of folds (the others are
+# concatenated along the batch rows).
+PARAMETERS = frozenset({"A", "A_log", "D", "dt_bias", "conv1d_weight", "conv1d_bias", "rmsnorm_weight", "outproj_weight",
+                        "outproj_bias", "in_proj_weight", "in_proj_bias"})
+
+
 def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: int = 0) -> Evaluation:
     """The model kernel on ``case``: outputs, stages and (backward cases) gradients, as float64 tensors.
     ``device`` decides the dot precision (TF32 on a CUDA GPU for fp32); default: the inputs' device.
     ``sample`` 0 rounds to nearest; k >= 1 draws a perturbed sample (see `Rounding`)."""
-    device = device if device is not None else inputs.device
-    rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, sample,
+    return evaluate_folded(case, [inputs], (sample,), device)[0]
+
+
+def _fold(inputs: list) -> Inputs:
+    """Several Inputs of one case as one: batch rows concatenated (fold i's rows i*b .. (i+1)*b - 1), PARAMETERS
+    stacked on a leading axis, the cotangents and seq_idx repeated."""
+    first, n = inputs[0], len(inputs)
+    values = {name: (torch.stack if name in PARAMETERS else torch.cat)([i.values[name] for i in inputs])
+              for name in first.values}
+    repeat = lambda t: torch.cat([t] * n) if t is not None else None
+    return dataclasses.replace(first, values=values, grad_outputs={k: repeat(v) for k, v in first.grad_outputs.items()},
+                               seq_idx=repeat(first.seq_idx))
+
+
+def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[str] = None) -> list:
+    """`evaluate` of sample ``samples[i]`` at ``inputs[i]`` for every i, in one evaluation: the inputs folded into
+    the batch rows (`_fold`; a case's rows are independent, its parameters carried per fold), every rounding point
+    drawing each fold's signs from that sample's own generator (`FoldedSigns`). One evaluation of a few small
+    tensors launches as many kernels as one of a large tensor, and on a GPU the launches are what an evaluation
+    costs. Returns one Evaluation per fold, each what that sample evaluated alone gives (up to the order of the
+    larger products' sums)."""
+    folds = len(inputs)
+    first = inputs[0]
+    device = device if device is not None else first.device
+    rounding = Rounding(dot_precision(case, device), case.dtype if case.dtype in _LOW else None, tuple(samples),
                         linear_precision(case, device))
-    leaves = inputs.leaves(COMPUTE, requires_grad=case.backward)
+    folded = _fold(inputs) if folds > 1 else first
+    n = folds if folds > 1 else 0                 # the model's folds argument: 0 when not folded
+    leaves = folded.leaves(COMPUTE, requires_grad=case.backward)
 
     def forward() -> Evaluation:
         if case.entry == "decode":
@@ -503,7 +608,7 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
             y, final = step_scan(cut("x"), cut("dt"), leaves["A"], cut("B"), cut("C"), leaves["state"],
                                  rounding=rounding, state_precision=case.state_dtype, D=leaves.get("D"), z=cut("z"),
                                  dt_bias=leaves.get("dt_bias"), dt_softplus=case.dt_softplus,
-                                 dt_limit=case.dt_limit_or_default)
+                                 dt_limit=case.dt_limit_or_default, folds=n)
             outputs = {"y": rounding.store(y)}
             if case.return_final_states:
                 outputs["final_states"] = final
@@ -513,10 +618,11 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
                 leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=case.chunk_size,
                 rounding=rounding, D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
-                initial_states=leaves.get("initial_states"), seq_idx=inputs.seq_idx, want_varlen=case.varlen_states)
+                initial_states=leaves.get("initial_states"), seq_idx=folded.seq_idx, want_varlen=case.varlen_states,
+                folds=n)
         else:
             model = _layer if case.entry == "layer" else _mixer
-            y, final, stages = model(leaves, case, inputs.seq_idx, rounding)
+            y, final, stages = model(leaves, case, folded.seq_idx, rounding, n)
             varlen = None
         y = rounding.store(y)
         outputs = {"y": y}
@@ -527,10 +633,24 @@ def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: i
         stages["y"] = y
         return Evaluation(outputs, stages={k: stages[k] for k in STAGE_ORDER if k in stages})
 
-    result = evaluate_graph(case, inputs, leaves, forward)
-    as64 = lambda d: {k: v.to(torch.float64) for k, v in d.items()}
-    return Evaluation(outputs=as64(result.outputs), stages=as64(result.stages),
-                      grads={k: g.to(inputs.dtypes[k]).to(torch.float64) for k, g in result.grads.items()})
+    result = evaluate_graph(case, folded, leaves, forward)
+
+    def part(name, t, i, kind):
+        """Fold i of a result: its rows, or (parameters' gradients, varlen_states) its index on the fold axis."""
+        if folds == 1:
+            return t
+        if (kind == "grads" and name in PARAMETERS) or name == "varlen_states":
+            return t[i]
+        rows = t.shape[0] // folds
+        return t[i * rows:(i + 1) * rows]
+
+    out = []
+    for i in range(folds):
+        as64 = lambda d, kind: {k: part(k, v, i, kind).to(torch.float64) for k, v in d.items()}
+        grads = {k: part(k, g, i, "grads").to(first.dtypes[k]).to(torch.float64) for k, g in result.grads.items()}
+        out.append(Evaluation(outputs=as64(result.outputs, "outputs"), stages=as64(result.stages, "stages"),
+                              grads=grads))
+    return out
 
 
 # Neighbour samples: the model kernel at inputs one unit roundoff away (each input element moved by +-2u of its
@@ -579,12 +699,12 @@ def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Opti
     """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
     neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``; ``oracle(case, inputs)``
     evaluates it at other inputs (needed when ``neighbours`` > 0). The verdict's noise level at an element is
-    the largest error among the samples."""
-    out = [evaluate(case, inputs, device, sample=k) for k in range(samples)]
-    if neighbours:
-        if oracle is None:
-            raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
-        for k in range(1, neighbours + 1):
-            near = neighbour(inputs, k)
-            out.append(_shifted(out[0], truth, evaluate(case, near, device), oracle(case, near)))
+    the largest error among the samples. The model's evaluations are one folded evaluation (`evaluate_folded`)."""
+    if neighbours and oracle is None:
+        raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
+    near = [neighbour(inputs, k) for k in range(1, neighbours + 1)]
+    models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * neighbours, device)
+    out = models[:samples]
+    for moved, model in zip(near, models[samples:]):
+        out.append(_shifted(out[0], truth, model, oracle(case, moved)))
     return out

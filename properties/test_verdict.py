@@ -214,6 +214,39 @@ def test_baseline_samples_spread_around_the_rounding_error(device):
     assert FACTOR == 4.0
 
 
+FOLDED_CASES = [
+    RICH,
+    Case(batch=1, seqlen=13, nheads=2, headdim=3, dstate=4, chunk_size=4, dtype="float16", D="head",
+         segments=((6, 7),), initial_states=True, varlen_states=True, return_final_states=True, seed=2),
+    Case(entry="decode", batch=2, seqlen=9, nheads=2, headdim=3, dstate=4, chunk_size=4, dtype="float16", D="head",
+         has_z=True, has_dt_bias=True, dt_softplus=True, initial_states=True, return_final_states=True, seed=4),
+    Case(entry="split_conv1d", batch=2, seqlen=12, nheads=2, ngroups=2, headdim=4, dstate=3, chunk_size=4,
+         dtype="float16", D="head", has_dt_bias=True, dt_softplus=True, rmsnorm=True, d_nonssm=2, out_dim=5,
+         outproj_bias=True, pass_="backward", seed=5),
+    Case(entry="layer", batch=1, seqlen=10, nheads=2, headdim=4, dstate=3, chunk_size=4, dtype="float16", D="channel",
+         has_dt_bias=True, dt_softplus=True, rmsnorm=True, d_model=4, return_final_states=False, bias=True,
+         pass_="backward", seed=6),
+]
+
+
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=lambda c: c.entry)
+def test_a_folded_evaluation_gives_each_sample_as_evaluated_alone(case, device):
+    # evaluate_samples folds the samples (and the neighbour inputs) into one evaluation; each fold must be that
+    # sample: within a tenth of the samples' own spread of it (on the CPU they are equal bit for bit).
+    inputs = materialize(case, device)
+    near = baseline.neighbour(inputs, 1)
+    folded = baseline.evaluate_folded(case, [inputs, inputs, inputs, near], (0, 1, 2, 0))
+    alone = [baseline.evaluate(case, inputs, sample=k) for k in range(3)] + [baseline.evaluate(case, near)]
+    for field in ("outputs", "grads", "stages"):
+        assert getattr(folded[0], field).keys() == getattr(alone[0], field).keys()
+        for name, exact in getattr(alone[0], field).items():
+            spread = max((getattr(a, field)[name] - exact).abs().max().item() for a in alone[1:3])
+            assert spread > 0, (field, name)                  # the perturbed samples do differ
+            for f, a in zip(folded, alone):
+                gap = (getattr(f, field)[name] - getattr(a, field)[name]).abs().max().item()
+                assert gap <= 0.1 * spread, (field, name, gap, spread)
+
+
 def test_strong_decay_gradients_of_A_keep_a_tight_budget():
     # The baseline's backward is the stable one (segment sums), so grad A under strong decay is accurate to
     # a few ulp; a kernel computing it through cumsum differences is flagged. The toy kernel is stable. On the
