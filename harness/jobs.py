@@ -175,7 +175,7 @@ def _line(states: list, elapsed: float, cfg_time: Optional[float]) -> str:
 
 def run(args, argv: list, console, err_console) -> int:
     """`ssdiff fuzz --jobs N`: start the jobs, show their joint progress, merge them (module docstring)."""
-    n = args.jobs
+    n = min(args.jobs, args.max_examples) if args.max_examples else args.jobs      # no job without an example
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     out = pathlib.Path(args.out or os.path.join("ssdiff-out", f"fuzz-{datetime.now().strftime('%Y%m%d-%H%M%S')}"))
     out.mkdir(parents=True, exist_ok=True)
