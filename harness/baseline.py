@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from harness import runtime
+from harness import runtime, widen
 from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
@@ -694,17 +694,26 @@ def _shifted(base: Evaluation, truth: Evaluation, model: Evaluation, exact: Eval
     return Evaluation(outputs=part("outputs"), grads=part("grads"), stages=part("stages"))
 
 
+def neighbours_of(inputs: Inputs, count: int = NEIGHBOURS) -> list:
+    """The inputs of the neighbour samples: `neighbour` k = 1 .. ``count``."""
+    return [neighbour(inputs, k) for k in range(1, count + 1)]
+
+
 def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Optional[OracleAt] = None,
-                     device: Optional[str] = None, samples: int = SAMPLES, neighbours: int = NEIGHBOURS) -> list:
+                     device: Optional[str] = None, samples: int = SAMPLES, neighbours: int = NEIGHBOURS,
+                     at_neighbours: Optional[list] = None) -> list:
     """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
-    neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``; ``oracle(case, inputs)``
-    evaluates it at other inputs (needed when ``neighbours`` > 0). The verdict's noise level at an element is
-    the largest error among the samples. The model's evaluations are one folded evaluation (`evaluate_folded`)."""
-    if neighbours and oracle is None:
-        raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
-    near = [neighbour(inputs, k) for k in range(1, neighbours + 1)]
+    neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``; the oracle at the neighbour
+    inputs (`neighbours_of`) is ``at_neighbours`` where the caller has it, else ``oracle(case, inputs)`` evaluates
+    it (side by side where the entry allows: harness/widen.py). The verdict's noise level at an element is the
+    largest error among the samples. The model's evaluations are one folded evaluation (`evaluate_folded`)."""
+    near = neighbours_of(inputs, neighbours)
+    if at_neighbours is None and near:
+        if oracle is None:
+            raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
+        at_neighbours = widen.evaluate(oracle, case, near)
     models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * neighbours, device)
     out = models[:samples]
-    for moved, model in zip(near, models[samples:]):
-        out.append(_shifted(out[0], truth, model, oracle(case, moved)))
+    for model, exact in zip(models[samples:], at_neighbours or []):
+        out.append(_shifted(out[0], truth, model, exact))
     return out

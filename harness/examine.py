@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from harness import baseline, oracle
+from harness import baseline, oracle, widen
 from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.inputs import Inputs, materialize
@@ -166,9 +166,10 @@ class Examiner:
             return found
         inputs = materialize(case, self.device)
         self.oracle_evaluations += 1
-        truth = self.oracle_at(case, inputs)
+        # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
+        truth, *at_neighbours = widen.evaluate(self.oracle_at, case, [inputs, *baseline.neighbours_of(inputs)])
         self.baseline_evaluations += 1
-        samples = baseline.evaluate_samples(case, inputs, truth, self.oracle_at)
+        samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=at_neighbours)
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found

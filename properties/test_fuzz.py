@@ -124,26 +124,26 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
     """Localization and minimization re-examine cases (with stages, with features switched off, as shrink
     candidates); each distinct case still gets one oracle evaluation at its inputs and one baseline evaluation.
     The campaign also writes what `ssdiff fuzz` writes: the finding minimized, with its repro.py."""
-    from harness import examine, oracle
+    from harness import examine
 
     made, truths, baselines = {}, {}, {}
-    materialize, evaluate, evaluate_samples = examine.materialize, oracle.evaluate, examine.baseline.evaluate_samples
+    materialize, evaluate, evaluate_samples = examine.materialize, examine.widen.evaluate, examine.baseline.evaluate_samples
 
     def counted_materialize(case, device):
         made[case] = materialize(case, device)
         return made[case]
 
-    def counted_evaluate(case, inputs, *args, **kw):
-        if made.get(case) is inputs:                  # at the case's own inputs, not a neighbour's
+    def counted_evaluate(evaluator, case, inputs):     # the truth, with the neighbours' oracle beside it
+        if evaluator.__func__ is examine.Examiner.oracle_at and made.get(case) is inputs[0]:
             truths[case] = truths.get(case, 0) + 1
-        return evaluate(case, inputs, *args, **kw)
+        return evaluate(evaluator, case, inputs)
 
     def counted_samples(case, *args, **kw):
         baselines[case] = baselines.get(case, 0) + 1
         return evaluate_samples(case, *args, **kw)
 
     monkeypatch.setattr(examine, "materialize", counted_materialize)
-    monkeypatch.setattr(oracle, "evaluate", counted_evaluate)
+    monkeypatch.setattr(examine.widen, "evaluate", counted_evaluate)
     monkeypatch.setattr(examine.baseline, "evaluate_samples", counted_samples)
     report = fuzz("harness.doubles:mask_bug", tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",),
                   minimize=True, minimize_runs=40)

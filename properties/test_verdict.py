@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from harness import baseline, doubles
+from harness import baseline, doubles, widen
 from harness.axes import TensorAxes, axes_of
 from harness.case import Case, Regime
 from harness.evaluation import Evaluation
@@ -245,6 +245,18 @@ def test_a_folded_evaluation_gives_each_sample_as_evaluated_alone(case, device):
             for f, a in zip(folded, alone):
                 gap = (getattr(f, field)[name] - getattr(a, field)[name]).abs().max().item()
                 assert gap <= 0.1 * spread, (field, name, gap, spread)
+
+
+@pytest.mark.parametrize("case", [c for c in FOLDED_CASES if c.entry in widen.ENTRIES], ids=lambda c: c.entry)
+def test_the_oracle_side_by_side_is_the_oracle_one_by_one(case, device):
+    # the truth and the oracle at the neighbour inputs come from one evaluation with their heads side by side
+    inputs = materialize(case, device)
+    several = [inputs, *baseline.neighbours_of(inputs)]
+    for wide, alone in zip(widen.evaluate(evaluate, case, several), [evaluate(case, i) for i in several]):
+        for field in ("outputs", "grads", "stages"):
+            assert getattr(wide, field).keys() == getattr(alone, field).keys()
+            for name, t in getattr(alone, field).items():
+                torch.testing.assert_close(getattr(wide, field)[name], t, rtol=1e-12, atol=1e-300, msg=name)
 
 
 def test_strong_decay_gradients_of_A_keep_a_tight_budget():
