@@ -69,7 +69,7 @@ def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, axes: TensorAx
     if kind == "grad":
         return None
     seq = inputs.seq_idx
-    if "token" in axes.names and seq is not None and bool((seq < 0).any()):
+    if "token" in axes.names and seq is not None and any(case.padding or ()):    # padding: seq_idx -1
         real = (seq >= 0)                                             # (b, L)
         view = [1] * len(shape)
         view[axes.names.index("batch")] = shape[axes.names.index("batch")]
@@ -92,16 +92,17 @@ def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, axes: TensorAx
 
 # ---- cells ---------------------------------------------------------------------------------------------
 
-def _axis_cell_index(axis: str, size: int, case: Case, axes: TensorAxes, device) -> Optional[torch.Tensor]:
-    """Per-position cell coordinate along one axis (None: reduced inside a cell)."""
+def _axis_cell_index(axis: str, size: int, case: Case, axes: TensorAxes, device) -> Optional[tuple]:
+    """Per-position cell coordinate along one axis and how many there are (None: reduced inside a cell)."""
     ar = torch.arange(size, device=device)
     if axis == "token":
-        return ar // case.chunk_size
+        return ar // case.chunk_size, -(-size // case.chunk_size)
     if axis in ("batch", "seq", "chunk", "head", "group"):
-        return ar
+        return ar, size
     if axis == "channel":
         keys = {}
-        return torch.tensor([keys.setdefault(ch, len(keys)) for ch in axes.channels], device=device)
+        coords = [keys.setdefault(ch, len(keys)) for ch in axes.channels]
+        return torch.tensor(coords, device=device), len(keys)
     return None
 
 
@@ -111,27 +112,33 @@ _COARSEN = (("token", "chunk"), ("head", "group", "channel"), ("batch", "seq"))
 
 def cell_ids(shape, axes: TensorAxes, case: Case, device, min_cell: int = MIN_CELL) -> torch.Tensor:
     """An int64 tensor of ``shape``: the budget cell of each element (dense ids from 0)."""
+    return cells(shape, axes, case, device, min_cell)[0]
+
+
+def cells(shape, axes: TensorAxes, case: Case, device, min_cell: int = MIN_CELL) -> tuple:
+    """(`cell_ids`, how many cells). The ids are dense without a pass over them: each axis's coordinates take
+    every value below its span, so their mixed-radix number takes every value below the product (and nothing is
+    read back from the device)."""
     numel = math.prod(shape) if shape else 1
     dropped: set = set()
     for level in range(len(_COARSEN) + 1):
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
         ncells = 1
         for dim, (axis, size) in enumerate(zip(axes.names, shape)):
-            if axis in dropped:
+            if axis in dropped or not size:
                 continue
-            coord = _axis_cell_index(axis, size, case, axes, device)
-            if coord is None:
+            found = _axis_cell_index(axis, size, case, axes, device)
+            if found is None:
                 continue
+            coord, span = found
             view = [1] * len(shape)
             view[dim] = size
-            span = int(coord.max().item()) + 1 if size else 1
             ids = ids * span + coord.reshape(view)
             ncells *= span
         if numel / max(ncells, 1) >= min_cell or level == len(_COARSEN):
             break
         dropped.update(_COARSEN[level])
-    _, dense = torch.unique(ids.reshape(-1), return_inverse=True)
-    return dense.reshape(shape)
+    return ids, ncells
 
 
 def _scatter(values: torch.Tensor, ids: torch.Tensor, ncells: int, reduce: str) -> torch.Tensor:
@@ -253,15 +260,14 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     in_range = torch.isfinite(ref) & (t.abs() <= torch.finfo(storage_dtype(kind, short, case, inputs)).max)
     for sample in b:
         in_range &= torch.isfinite(sample)
-    out_of_range = int((judged & ~in_range).sum())
-    excluded = int((~judged).sum())
+    bad = judged & in_range & ~torch.isfinite(a)
+    # the counts in one transfer: on a GPU every scalar read waits for the device
+    out_of_range, excluded, n_judged, count = (int(v) for v in torch.stack([
+        (judged & ~in_range).sum(), (~judged).sum(), (judged & in_range).sum(), bad.sum()]).tolist())
     judged = judged & in_range
-    n_judged = int(judged.sum())
 
-    bad = judged & ~torch.isfinite(a)
-    if bool(bad.any()):
+    if count:
         first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        count = int(bad.sum())
         kinds = []
         if bool(torch.isnan(a[bad]).any()):
             kinds.append("NaN")
@@ -286,19 +292,25 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, axes=axes)
     if n_judged == 0:
         return tv
-    tv.ratio = float(ratio.max())
-    tv.out_of_budget = int((ratio > 1.0).sum())
-    tv.max_abs = float(err.max())
-    norm_t = float(tabs.pow(2).sum().sqrt())
+    flat_ratio = ratio.reshape(-1)
+    flat = flat_ratio.argmax()
+    # the figures and the worst element in one transfer (each scalar read is a device sync on a GPU)
+    figures = torch.stack([
+        flat_ratio[flat], (ratio > 1.0).sum().to(torch.float64), err.max(), tabs.pow(2).sum().sqrt(),
+        err.pow(2).sum().sqrt(), berr.pow(2).sum().sqrt(), flat.to(torch.float64),
+        a.reshape(-1)[flat], ref.reshape(-1)[flat], err.reshape(-1)[flat], budget.reshape(-1)[flat],
+        berr.reshape(-1)[flat], noise[ids.reshape(-1)[flat]]]).tolist()
+    (tv.ratio, out_of_budget, tv.max_abs, norm_t, err_norm, berr_norm, flat, actual, expected, error, bound,
+     base_error, cell_noise) = figures
+    tv.out_of_budget = int(out_of_budget)
     scale = norm_t if norm_t > 0 else 1.0
-    tv.rel_rms = float(err.pow(2).sum().sqrt()) / scale
-    tv.baseline_rel_rms = float(berr.pow(2).sum().sqrt()) / scale
-    flat = int(ratio.reshape(-1).argmax())
+    tv.rel_rms = err_norm / scale
+    tv.baseline_rel_rms = berr_norm / scale
     # numpy's unravel_index: torch's imports torch.fx and sympy on first use (about 4 s of a GPU campaign)
-    index = tuple(int(i) for i in np.unravel_index(flat, tuple(t.shape)))
-    tv.worst = {"index": list(index), "coords": coordinates_of(index, axes, case), "actual": float(a[index]),
-                "expected": float(ref[index]), "error": float(err[index]), "budget": float(budget[index]),
-                "baseline_error": float(berr[index]), "cell_noise": float(noise[ids[index]])}
+    index = tuple(int(i) for i in np.unravel_index(int(flat), tuple(t.shape)))
+    tv.worst = {"index": list(index), "coords": coordinates_of(index, axes, case), "actual": actual,
+                "expected": expected, "error": error, "budget": bound, "baseline_error": base_error,
+                "cell_noise": cell_noise}
     tv.status = "diverged" if tv.ratio > 1.0 else "ok"
     tv.ratio_map, tv.map_axes = _reduce_map(ratio, axes)
     return tv
@@ -310,8 +322,7 @@ def element_budget(t, b, judged, axes: TensorAxes, case: Case, u: float, factor:
     zero = torch.zeros((), dtype=torch.float64, device=t.device)
     berr = torch.where(judged, torch.stack([(x - t).abs() for x in b]).amax(0), zero)
     tabs = torch.where(judged, t.abs(), zero)
-    ids = cell_ids(tuple(t.shape), axes, case, t.device)
-    ncells = int(ids.max().item()) + 1 if ids.numel() else 1
+    ids, ncells = cells(tuple(t.shape), axes, case, t.device)
     noise = _scatter(berr, ids, ncells, "amax")
     counts = _scatter(judged.to(torch.float64), ids, ncells, "sum")
     mean_abs = _scatter(tabs, ids, ncells, "sum") / counts.clamp(min=1)
