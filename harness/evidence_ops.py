@@ -1,0 +1,101 @@
+"""What examining a case costs in torch operations: a benchmark that prints a table.
+
+On a GPU the evidence (inputs, the float64 oracle at the case's inputs and its neighbours', the baseline samples)
+and the verdict are thousands of small operations, each a kernel launch and its host-side dispatch, and every
+scalar read back (``.item()``, ``float(t)``) a wait for the device. Their counts, unlike their times, are the same
+on every machine: this counts them on the device given (the CPU by default), for cases drawn as a GPU campaign
+draws them (GPU_BOUNDS):
+
+    python -m harness.evidence_ops [--entry chunk_scan] [--dtype bfloat16] [--pass backward] [--cases 8]
+        [--seed 1] [--device cpu] [--impl ref.quadratic]
+
+Columns, per case: the evidence (materialize, oracle, baseline samples: `Examiner.evidence`) and the verdict of
+one side (`verdict.judge`), as operations and as scalar reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SCALAR_READS = ("aten._local_scalar_dense.default", "aten.item.default")
+
+
+class Counting(TorchDispatchMode):
+    """Counts the aten operations dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def reads(self) -> int:
+        return sum(self.ops[name] for name in SCALAR_READS)
+
+
+def drawn(entry: str, dtype: str, backward: bool, count: int, seed: int) -> list:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    from harness.fuzz import GPU_BOUNDS
+    from harness.strategies import cases
+
+    found = []
+
+    @hypothesis_seed(seed)
+    @settings(max_examples=count, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(cases(entry=entry, dtypes=(dtype,), bounds=GPU_BOUNDS, backward=backward))
+    def collect(case):
+        found.append(case)
+
+    collect()
+    return found[:count]
+
+
+def main(argv=None) -> int:
+    from harness import runtime
+
+    runtime.configure()
+    parser = argparse.ArgumentParser(prog="python -m harness.evidence_ops", description=__doc__.splitlines()[0])
+    parser.add_argument("--entry", default="chunk_scan")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="backward")
+    parser.add_argument("--cases", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--impl", default="ref.quadratic", help="the side whose verdict is counted")
+    args = parser.parse_args(argv)
+
+    from harness import verdict
+    from harness.examine import Examiner
+
+    examiner = Examiner([args.impl], args.device)
+    rows = []
+    for case in drawn(args.entry, args.dtype, args.pass_ == "backward", args.cases, args.seed):
+        with Counting() as evidence:
+            ev = examiner.evidence(case)
+        run = examiner.runner.run(args.impl, case, ev.inputs, False, "tuned")
+        with Counting() as judged:
+            verdict.judge(args.impl, case, ev.inputs, run.outputs, ev.truth, ev.baseline)
+        rows.append((case.describe(), evidence.total, evidence.reads, judged.total, judged.reads))
+    print("| case | evidence ops | evidence scalar reads | verdict ops | verdict scalar reads |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+    mean = lambda i: sum(r[i] for r in rows) / max(len(rows), 1)
+    print(f"| mean of {len(rows)} | {mean(1):.0f} | {mean(2):.0f} | {mean(3):.0f} | {mean(4):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
