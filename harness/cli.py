@@ -134,6 +134,23 @@ def cmd_report(args) -> int:
     return status
 
 
+def progress_text(state: dict, max_time=None, max_examples=None) -> str:
+    """The fuzz progress line from a campaign's progress state (`Fuzzer._progress`; `ssdiff fuzz --jobs` merges
+    its jobs' states into one): cases, skips, rate, the largest ratio per dtype, divergences, known defects and
+    the budget spent."""
+    budget = []
+    if max_time is not None:
+        budget.append(f"{state.get('elapsed', 0.0):.0f}/{max_time:.0f} s")
+    if max_examples is not None:
+        budget.append(f"{state['tried']}/{max_examples} cases")
+    if state.get("ahead") and state["ahead"][0] < state["ahead"][1]:
+        budget.append(f"compiled ahead {state['ahead'][0]}/{state['ahead'][1]}")
+    worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
+    known_text = f" | known {state['known']}" if state.get("known") else ""
+    return (f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "
+            f"worst ratio to budget: {worst} | divergences {state['divergences']}{known_text} | {', '.join(budget)}")
+
+
 def cmd_fuzz(args) -> int:
     """Fuzz an implementation against another (or the oracle); exit 1 on a divergence, 0 on none, 2 on bad usage.
     `ssdiff demo` runs it on the built-in default target (DEMO below) with a short budget."""
@@ -196,18 +213,7 @@ def cmd_fuzz(args) -> int:
     last_print = [0.0]
 
     def line() -> Text:
-        budget = []
-        if config.max_time is not None:
-            budget.append(f"{state['elapsed']:.0f}/{config.max_time:.0f} s")
-        if config.max_examples is not None:
-            budget.append(f"{state['tried']}/{config.max_examples} cases")
-        if state.get("ahead") and state["ahead"][0] < state["ahead"][1]:
-            budget.append(f"compiled ahead {state['ahead'][0]}/{state['ahead'][1]}")
-        worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
-        known_text = f" | known {state['known']}" if state.get("known") else ""
-        return Text(f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "
-                    f"worst ratio to budget: {worst} | "
-                    f"divergences {state['divergences']}{known_text} | {', '.join(budget)}")
+        return Text(progress_text(state, config.max_time, config.max_examples))
 
     class Line:
         def __rich__(self):

@@ -157,20 +157,20 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
     return merged
 
 
-def _line(states: list, elapsed: float, cfg_time: Optional[float]) -> str:
-    tried = sum(s.get("tried", 0) for s in states)
-    skipped = sum(s.get("skipped", 0) for s in states)
+def _line(states: list, elapsed: float, max_time: Optional[float]) -> str:
+    """One progress line for the jobs' progress states together."""
+    from harness.cli import progress_text
+
     worst: dict = {}
     for s in states:
         for dtype, w in (s.get("worst") or {}).items():
-            worst[dtype] = max(worst.get(dtype, 0.0), w.get("ratio", 0.0))
-    ratios = " ".join(f"{d} {r:.3g}x" for d, r in sorted(worst.items())) or "-"
-    known = sum(s.get("known", 0) for s in states)
-    budget = f"{elapsed:.0f}/{cfg_time:.0f} s" if cfg_time else f"{elapsed:.0f} s"
-    rate = 60.0 * tried / elapsed if elapsed > 0 else 0.0
-    return (f"{len(states)} jobs: cases {tried} (skipped {skipped}; {rate:.0f}/min) | worst ratio to budget: {ratios} | "
-            f"divergences {sum(s.get('divergences', 0) for s in states)}"
-            f"{f' | known {known}' if known else ''} | {budget}")
+            worst[dtype] = _larger(worst.get(dtype), w)
+    tried = sum(s.get("tried", 0) for s in states)
+    merged = {"tried": tried, "skipped": sum(s.get("skipped", 0) for s in states), "elapsed": elapsed,
+              "per_minute": 60.0 * tried / elapsed if elapsed > 0 else 0.0, "worst": worst,
+              "divergences": sum(s.get("divergences", 0) for s in states),
+              "known": sum(s.get("known", 0) for s in states)}
+    return f"{len(states)} jobs: " + progress_text(merged, max_time)
 
 
 def run(args, argv: list, console, err_console) -> int:

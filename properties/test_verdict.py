@@ -256,7 +256,11 @@ def test_the_oracle_side_by_side_is_the_oracle_one_by_one(case, device):
         for field in ("outputs", "grads", "stages"):
             assert getattr(wide, field).keys() == getattr(alone, field).keys()
             for name, t in getattr(alone, field).items():
-                torch.testing.assert_close(getattr(wide, field)[name], t, rtol=1e-12, atol=1e-300, msg=name)
+                # float64 sums over more heads may associate otherwise on a GPU: within its rounding of the
+                # tensor's scale (on the CPU they are equal)
+                scale = t.abs().max().item()
+                gap = (getattr(wide, field)[name] - t).abs().max().item()
+                assert gap <= 1e-12 * scale, (field, name, gap, scale)
 
 
 def test_strong_decay_gradients_of_A_keep_a_tight_budget():
