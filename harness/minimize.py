@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from harness import repro, runtime, store
 from harness.case import Case, CaseError
-from harness.examine import Examiner, Outcome, same_divergence
+from harness.examine import Examiner, Outcome, UsageError, same_divergence
 from harness.oracle import DEFAULT_ORACLE
 from harness.shrink import Shrunk, Step, shrink
 from harness.verdict import FACTOR, RUN_FAILURES
@@ -148,10 +148,14 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",
            isolate: bool = False) -> Outcome:
-    """Judge ``case`` again (the same case on the same machine gives the same numbers)."""
+    """Judge ``case`` again (the same case on the same machine gives the same numbers). A side that does not
+    take the case (a feature it lacks, a dtype it does not run) is a UsageError naming what, not a run."""
     runtime.configure()
     with Examiner([impl] + ([against] if against else []), device or runtime.default_device(),
                   isolate=isolate) as examiner:
+        reasons = examiner.skip_reasons(case)
+        if reasons:
+            raise UsageError("this case is not one every side takes: " + "; ".join(reasons))
         return examiner.examine(case, choice)
 
 

@@ -95,6 +95,15 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
     assert "reproduces the stored verdict exactly" in capsys.readouterr().out
 
 
+def test_replay_of_a_case_a_side_does_not_take_names_what(tmp_path, device, capsys):
+    case = tmp_path / "case.json"
+    case.write_text(Case(entry="split_conv1d", seqlen=8, headdim=4, dstate=4, chunk_size=4, d_nonssm=2,
+                         return_final_states=False, seed=1).to_json())
+    assert main(["replay", str(case), "--impl", "mamba_ssm.split_conv1d_ref", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "mamba_ssm.split_conv1d_ref cannot express: d_nonssm" in err, err
+
+
 def test_minimize_refuses_bad_input(tmp_path, device, capsys):
     bad = tmp_path / "case.json"
     bad.write_text("{not json")
