@@ -20,6 +20,7 @@ those kernels compute:
   products;
 - tensors handed between stages in the dtype kernels store them in: the conv1d output, the scan output the
   gated RMSNorm reads, the normed output and y in the case dtype; dt, dA_cumsum, C.B^T and states in float32;
+  the pre-gate output the z gate's backward reads (saved by the forward) in the case dtype;
 - backward through the same graph in float32, every rounding point also rounding the gradient that flows
   back through it (the backward kernels' products take operands in the same precision), and each input's
   gradient returned in that input's dtype.
@@ -197,6 +198,22 @@ class _RoundGrad(torch.autograd.Function):
         return round_to(_perturb(grad, ctx.precision, ctx.gen), ctx.precision), None, None
 
 
+class _GateReadingStored(torch.autograd.Function):
+    """The z gate ``y * silu(z)`` whose backward reads y as stored in ``precision`` (perturbed first in a
+    sample): the forward gates the float32 y, the dz kernel loads the copy saved for it."""
+
+    @staticmethod
+    def forward(ctx, y, z, precision, gen):
+        ctx.save_for_backward(round_to(_perturb(y, precision, gen), precision), z)
+        return y * F.silu(z)
+
+    @staticmethod
+    def backward(ctx, grad):
+        stored, z = ctx.saved_tensors
+        s = torch.sigmoid(z)
+        return grad * z * s, grad * stored * s * (1 + z * (1 - s)), None, None
+
+
 class Rounding:
     """Where the model kernel rounds. ``dot``: a computed matrix-product operand (the dot precision);
     ``operand``: an input used as one (already exact in its dtype, so only TF32 rounds it); ``store``: a
@@ -249,6 +266,15 @@ class Rounding:
         if self.store_precision is None and self.gen is None:
             return t
         return _RoundGrad.apply(t, self.store_precision or "float32", self.gen)
+
+    def gate(self, y, z):
+        """The z gate ``y * silu(z)``: the gradient reaching y stored in the case dtype (`grad_store`), and dz
+        computed from y as the forward saved it, in the case dtype (mamba_ssm's forward keeps the pre-gate
+        output for the dz kernel): its rounding, and in float16 its overflow where |y| passes 65504."""
+        y = self.grad_store(y)
+        if self.store_precision is None and self.gen is None:
+            return y * F.silu(z)
+        return _GateReadingStored.apply(y, z, self.store_precision or "float32", self.gen)
 
     def grad_operand(self, t):
         """A product's result whose *gradient* the backward kernels round as an operand (Mamba-2's dstates
@@ -387,7 +413,7 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
         y = y + keep((D[..., None] if per_head else D) * x)
         stages["skip"] = y
     if z is not None:
-        y = rounding.grad_store(y) * F.silu(z)
+        y = rounding.gate(y, z)
         stages["gated"] = y
     return y, final, varlen, stages
 

@@ -333,6 +333,7 @@ def assert_within_budget(name: str, case: Case, device):
     bases = baseline.evaluate_samples(case, inputs, truth, evaluate)
     verdict = judge(impl.name, case, inputs, impl.run(case, inputs), truth, bases)
     assert verdict.ok, verdict.message()
+    return verdict
 
 
 # The scan's output stored in the case dtype before the gated RMSNorm (harness/baseline.py, `_mixer`): found by
@@ -347,6 +348,22 @@ NORM_STORE_CASE = Case(entry="split_conv1d", batch=1, seqlen=1, nheads=1, headdi
 @pytest.mark.parametrize("name", ["mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref", "ssdiff.triton"])
 def test_the_scan_output_stored_before_the_norm_is_in_the_mixer_budget(name, device):
     assert_within_budget(name, NORM_STORE_CASE, device)
+
+
+# The z gate's backward reads the pre-gate output as the forward stored it, in the case dtype (harness/baseline.py,
+# `Rounding.gate`): found by an H200 campaign of mamba_ssm's Mamba2 (mem-eff path, no norm, float16, dt > 20,
+# scale 4), whose gradients of u and in_proj were Inf at a token where the pre-gate output was 70,190, beyond
+# float16's 65,504, while the model had kept it in float32 and judged them finite. mamba_ssm saves that output in
+# float16 for its dz kernel; so does any float16 implementation that keeps it for the backward. Minimal: one
+# element of grad z, pre-gate 68,228; with the store the model overflows there too and the element is out of range.
+GATE_STORE_CASE = Case(seqlen=8, nheads=1, headdim=4, dstate=32, chunk_size=4, dtype="float16", has_z=True,
+                       has_dt_bias=True, dt_softplus=True, regime=Regime(decay="none", dt_large=True, scale=4.0),
+                       pass_="backward", seed=20)
+
+
+def test_the_pre_gate_output_the_dz_kernel_reads_is_stored_in_the_dtype(device):
+    verdict = assert_within_budget("mamba_ssm.chunk_scan_combined", GATE_STORE_CASE, device)
+    assert verdict.tensor("grad.z").out_of_range == 1
 
 
 # Found by a CPU fuzz of fla's Mamba2.torch_forward (0.6.0; float16, backward): the gradient of in_proj_weight was
