@@ -193,6 +193,14 @@ def _sig_text(sig) -> str:
     return "; ".join(f"{side}: {status}" + (f" in {', '.join(names)}" if names else "") for side, status, names in sig)
 
 
+def tf32_hint(case, device: str) -> Optional[str]:
+    """What a float32 divergence on a GPU whose float32 dots run in TF32 should be replayed under, else None."""
+    if case.dtype == "float32" and str(device).startswith("cuda") and runtime.fp32_dot() == "tf32":
+        return ("float32 dots ran in TF32 here: a replay under TRITON_F32_DEFAULT=ieee tells TF32's loss from a "
+                "defect (harness/README.md, 'Known limit: TF32 in the fused mixer's backward')")
+    return None
+
+
 class Fuzzer:
     """Runs one fuzz campaign. ``progress(state: dict)`` is called after every case; ``observe(outcome)``
     after every judged one (a calibration run collects its ratios there)."""
@@ -379,6 +387,9 @@ class Fuzzer:
             worst = max(o.pair.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else 1e308)
             lines.append(f"the two sides differ by up to {worst[1]:.3g}x their joint budget ({worst[0]})")
         lines.append(finding.localization.get("text", ""))
+        hint = tf32_hint(o.case, self.config.device)
+        if hint:
+            lines.append(hint)
         return "\n".join(lines)
 
     def _write_summary(self):

@@ -279,6 +279,19 @@ def test_cli_exit_status_and_output(tmp_path, monkeypatch, capsys, device):
     assert exc.value.code == 2
 
 
+def test_a_float32_divergence_under_tf32_says_how_to_tell_tf32_from_a_defect(monkeypatch):
+    from harness import runtime
+    from harness.fuzz import tf32_hint
+
+    monkeypatch.setattr(runtime, "fp32_dot", lambda: "tf32")
+    assert "TRITON_F32_DEFAULT=ieee" in tf32_hint(Case(dtype="float32"), "cuda")
+    assert "TRITON_F32_DEFAULT=ieee" in tf32_hint(Case(dtype="float32"), "cuda:1")
+    assert tf32_hint(Case(dtype="float16"), "cuda") is None
+    assert tf32_hint(Case(dtype="float32"), "cpu") is None
+    monkeypatch.setattr(runtime, "fp32_dot", lambda: "ieee")
+    assert tf32_hint(Case(dtype="float32"), "cuda") is None
+
+
 def test_usage_errors_name_the_problem():
     with pytest.raises(UsageError, match="share no entry point"):
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", against="harness.doubles:mixer", report_dir=None))
