@@ -164,7 +164,11 @@ def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Ten
     unit roundoff), or half the subnormal spacing where that is larger."""
     if gen is None:
         return t
-    signs = gen.like(t)
+    return _moved(t, precision, gen.like(t))
+
+
+def _moved(t: torch.Tensor, precision: str, signs: torch.Tensor) -> torch.Tensor:
+    """`_perturb` with its signs given."""
     moved = t * (1.0 + UNIT[precision] * signs)
     floor = SUBNORMAL_HALF_SPACING.get(precision)
     if floor is None:
@@ -212,6 +216,50 @@ class _GateReadingStored(torch.autograd.Function):
         stored, z = ctx.saved_tensors
         s = torch.sigmoid(z)
         return grad * z * s, grad * stored * s * (1 + z * (1 - s)), None, None
+
+
+class _PassStates(torch.autograd.Function):
+    """The state passing between chunks, ``state_k = keep(carry_k * state_k-1 + grad_store(chunk_states_k))``, as
+    one function: the forward and the backward recurrences in float32 with the rounding points `Rounding.keep`
+    and `Rounding.grad_store` would put at every step, each step's random signs drawn for all the steps at once
+    (a loop of autograd nodes drew them step by step: about 70 operations a chunk, the most of a long case's
+    evidence; this is about 10). Returns the state after each chunk, (b, c, ...)."""
+
+    @staticmethod
+    def forward(ctx, chunk_states, carry, initial, store_precision, gen):
+        carry6 = carry[..., None, None]                                        # (b, c, g, r, 1, 1)
+        grow = None if gen is None else 1.0 + UNIT["float32"] * gen.like(chunk_states)
+        state, after = initial, []
+        for k in range(chunk_states.shape[1]):
+            state = torch.addcmul(chunk_states[:, k], carry6[:, k], state)
+            if grow is not None:
+                state = state * grow[:, k]
+            after.append(state)
+        after = torch.stack(after, dim=1)
+        ctx.save_for_backward(carry6, initial, after)
+        ctx.store_precision, ctx.gen = store_precision, gen
+        return after
+
+    @staticmethod
+    def backward(ctx, d_after):
+        carry6, initial, after = ctx.saved_tensors
+        gen, c = ctx.gen, after.shape[1]
+        grow = None if gen is None else 1.0 + UNIT["float32"] * gen.like(after)
+        d_sum = torch.empty_like(after)                   # the gradient reaching each step's sum
+        d_state = d_after[:, c - 1]
+        for k in reversed(range(c)):
+            if grow is not None:
+                d_state = d_state * grow[:, k]
+            d_sum[:, k] = d_state
+            if k:
+                d_state = torch.addcmul(d_after[:, k - 1], carry6[:, k], d_state)
+        before = torch.cat([initial[:, None], after[:, :-1]], dim=1)
+        d_carry = (d_sum * before).sum((-1, -2))
+        d_chunk_states = d_sum
+        if gen is not None or ctx.store_precision != "float32":
+            d_chunk_states = round_to(d_sum if gen is None else _moved(d_sum, ctx.store_precision,
+                                                                         gen.like(d_sum)), ctx.store_precision)
+        return d_chunk_states, d_carry, carry6[:, 0] * d_sum[:, 0], None, None
 
 
 class Rounding:
@@ -275,6 +323,15 @@ class Rounding:
         if self.store_precision is None and self.gen is None:
             return y * F.silu(z)
         return _GateReadingStored.apply(y, z, self.store_precision or "float32", self.gen)
+
+    def pass_states(self, chunk_states, carry, initial):
+        """The state entering each chunk and the final state (`_PassStates`): chunk_states (b, c, ...), carry
+        (b, c, ...) without chunk_states' last two axes, initial (b, ...)."""
+        after = _PassStates.apply(chunk_states, carry, initial, self.store_precision or "float32", self.gen)
+        # with one chunk no state passes between chunks: the entering state is the initial one, no gradient
+        # of the chunk's own state reaches it
+        entering = initial[:, None] if after.shape[1] == 1 else torch.cat([initial[:, None], after[:, :-1]], dim=1)
+        return entering, after[:, -1]
 
     def grad_operand(self, t):
         """A product's result whose *gradient* the backward kernels round as an operand (Mamba-2's dstates
@@ -378,13 +435,8 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     # initial states' gradient (Mamba-2's state-passing backward, dstates_dtype=x.dtype).
     state = rounding.grad_store(initial_states.reshape(b, g, r, p, n)) if initial_states is not None \
         else x.new_zeros(b, g, r, p, n)
-    entering = []
-    for k in range(c):
-        entering.append(state)
-        carry = (chunk_decay[:, k] * survives[:, k, None, None])[..., None, None]
-        state = keep(carry * state + rounding.grad_store(chunk_states[:, k]))
-    passed = torch.stack(entering, dim=1)                                    # (b, c, g, r, p, n)
-    final = state.reshape(b, h, p, n)
+    passed, state = rounding.pass_states(chunk_states, chunk_decay * survives[..., None, None], state)
+    final = state.reshape(b, h, p, n)                                        # passed: (b, c, g, r, p, n)
 
     # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
     reaches = (seq_c == prev_last[:, :, None]) & real_c

@@ -8,9 +8,12 @@ draws them (GPU_BOUNDS):
 
     python -m harness.evidence_ops [--entry chunk_scan] [--dtype bfloat16] [--pass backward] [--cases 8]
         [--seed 1] [--device cpu] [--impl ref.quadratic]
+    python -m harness.evidence_ops --by-chunks 1,8,32,64 [--dtype bfloat16] [--pass backward]
 
 Columns, per case: the evidence (materialize, oracle, baseline samples: `Examiner.evidence`) and the verdict of
-one side (`verdict.judge`), as operations and as scalar reads.
+one side (`verdict.judge`), as operations and as scalar reads. ``--by-chunks``: one chunk_scan case per count of
+chunks (b=1 h=2 p=16 n=128, chunk 64), the evidence's operations by part: what grows with a long sequence (the
+production shapes' 8 to 256 chunks).
 """
 
 from __future__ import annotations
@@ -62,6 +65,27 @@ def drawn(entry: str, dtype: str, backward: bool, count: int, seed: int) -> list
     return found[:count]
 
 
+def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
+    from harness import baseline, oracle, widen
+    from harness.case import Case
+    from harness.inputs import materialize
+
+    print("| chunks | materialize ops | oracle ops (at the inputs and two neighbours) | baseline ops (five samples) |")
+    print("|---|---|---|---|")
+    for c in counts:
+        case = Case(batch=1, seqlen=64 * c, nheads=2, headdim=16, dstate=128, chunk_size=64, dtype=dtype,
+                    pass_="backward" if backward else "forward", seed=1)
+        with Counting() as made:
+            inputs = materialize(case, device)
+        with Counting() as truths:
+            truth, *near = widen.evaluate(lambda k, i: oracle.evaluate(k, i), case,
+                                          [inputs, *baseline.neighbours_of(inputs)])
+        with Counting() as model:
+            baseline.evaluate_samples(case, inputs, truth, at_neighbours=near)
+        print(f"| {c} | {made.total} | {truths.total} | {model.total} |")
+    return 0
+
+
 def main(argv=None) -> int:
     from harness import runtime
 
@@ -74,7 +98,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--impl", default="ref.quadratic", help="the side whose verdict is counted")
+    parser.add_argument("--by-chunks", default=None, metavar="N,N,...",
+                        help="count the evidence of one chunk_scan case per number of chunks instead")
     args = parser.parse_args(argv)
+    if args.by_chunks:
+        return by_chunks([int(n) for n in args.by_chunks.split(",")], args.dtype, args.pass_ == "backward",
+                         args.device)
 
     from harness import verdict
     from harness.examine import Examiner
