@@ -216,7 +216,7 @@ DRAFTS = {
         call="fla.layers.mamba2.Mamba2.cuda_kernels_forward",
         needs="torch, triton, einops, flash-linear-attention, fla-core, transformers and mamba-ssm"),
     "fla-mamba2-torch-gate-gradient-overflow": Draft(
-        title="Mamba2 (fla.layers.mamba2) torch path, float16, rmsnorm=False: Inf gradients where the true ones "
+        title="Mamba2 (fla.layers.mamba2) torch path, float16, rmsnorm=False: Inf/NaN gradients where the true ones "
               "are finite (the gate's gradient is materialized in float16)",
         should="The gradients of a float16 layer are finite wherever their values fit float16: the gate's gradient "
                "dz = dout * y * silu'(gate) is formed in float32 before it is stored, as mamba_chunk_scan_combined "

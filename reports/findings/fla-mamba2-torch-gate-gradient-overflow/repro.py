@@ -1,11 +1,10 @@
 #!/usr/bin/env python3
 """ssdiff repro: fla.mamba2_torch on layer
 
-    case      layer b=1 L=13 h=1 p=12 g=1 n=46 Q=1 | float16 D:head dt_bias softplus d_model=3 expand=4 conv1 decay=none dt>20 scale=4 backward | seed=0
+    case      layer b=1 L=13 h=1 p=12 g=1 n=46 Q=1 | float16 D:head dt_bias softplus d_model=3 expand=4 conv1 decay=none dt>20 scale=4 backward | seed=11
     sides     fla.mamba2_torch
     found on  cpu (CPU, Triton interpreter; dtypes float32, float16; fp32 dot ieee; autotune tuned (interpreter: first config); sm_count 132); torch 2.13.0+cpu, triton 3.6.0, fla-core 0.6.0, flash-linear-attention 0.6.0
-    fla.mamba2_torch: gradient of u: 3 / 37 elements are Inf where the oracle is finite; the first at index (0, 11, 0) (batch 0, token 11, chunk 11, channel 0, part out), expected -37437.5
-    fla.mamba2_torch: gradient of in_proj_weight: 3 / 338 elements are Inf where the oracle is finite; the first at index (9, 0) (channel 9, head 0, group 0, part z, model 0), expected -53125.6
+    fla.mamba2_torch: gradient of u: 3 / 19 elements are NaN where the oracle is finite; the first at index (0, 8, 0) (batch 0, token 8, chunk 8, channel 0, part out), expected -10904.7
 
 Run it with nothing but torch, triton, flash-linear-attention, fla-core, transformers, numpy (the Triton interpreter imports it) installed:
 
@@ -61,11 +60,11 @@ CASE = {'entry': 'layer',
  'regime': {'decay': 'none', 'dt_large': True, 'values': 'normal', 'scale': 4.0, 'layout': 'contiguous'},
  'pass_': 'backward',
  'final_state_grad': False,
- 'seed': 0}
+ 'seed': 11}
 DEVICE = "cpu"
 # The largest error the oracle's verdict allowed on each judged tensor for this case (ssdiff's per-element
 # budget: a same-precision baseline's error times 4.0, plus a rounding floor; the maximum over elements).
-ALLOWED = {"grad.A_log": 22.349220451669396, "grad.D": 0.109624190824352, "grad.conv1d_weight": 1891.6599590125352, "grad.dt_bias": 90.71660402230663, "grad.in_proj_weight": 1424.0790938912492, "grad.outproj_weight": 351.065498591008, "grad.u": 719.8508833259322, "y": 291.64340400346333}
+ALLOWED = {"grad.A_log": 13.869218923121032, "grad.D": 1.6717292055368185, "grad.conv1d_weight": 2923.8403958452377, "grad.dt_bias": 591.073602295888, "grad.in_proj_weight": 3826.1931851333356, "grad.outproj_weight": 580.1433864150474, "grad.u": 402.54252012304016, "y": 226.71497378385925}
 
 
 # ---- the inputs: ssdiff's own drawing function, verbatim -------------------------------------------------
