@@ -223,7 +223,7 @@ class _PassStates(torch.autograd.Function):
     one function: the forward and the backward recurrences in float32 with the rounding points `Rounding.keep`
     and `Rounding.grad_store` would put at every step, each step's random signs drawn for all the steps at once
     (a loop of autograd nodes drew them step by step: about 70 operations a chunk, the most of a long case's
-    evidence; this is about 10). Returns the state after each chunk, (b, c, ...)."""
+    evidence; this is 12). Returns the state after each chunk, (b, c, ...)."""
 
     @staticmethod
     def forward(ctx, chunk_states, carry, initial, store_precision, gen):
@@ -328,8 +328,8 @@ class Rounding:
         """The state entering each chunk and the final state (`_PassStates`): chunk_states (b, c, ...), carry
         (b, c, ...) without chunk_states' last two axes, initial (b, ...)."""
         after = _PassStates.apply(chunk_states, carry, initial, self.store_precision or "float32", self.gen)
-        # with one chunk no state passes between chunks: the entering state is the initial one, no gradient
-        # of the chunk's own state reaches it
+        # with one chunk the entering state is the initial one (not a slice of `after`), so that when the final
+        # state reaches no output the function's backward is not run at all
         entering = initial[:, None] if after.shape[1] == 1 else torch.cat([initial[:, None], after[:, :-1]], dim=1)
         return entering, after[:, -1]
 
