@@ -779,19 +779,22 @@ def neighbours_of(inputs: Inputs, count: int = NEIGHBOURS) -> list:
 
 def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Optional[OracleAt] = None,
                      device: Optional[str] = None, samples: int = SAMPLES, neighbours: int = NEIGHBOURS,
-                     at_neighbours: Optional[list] = None) -> list:
+                     at_neighbours: Optional[tuple] = None) -> list:
     """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
-    neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``; the oracle at the neighbour
-    inputs (`neighbours_of`) is ``at_neighbours`` where the caller has it, else ``oracle(case, inputs)`` evaluates
-    it (side by side where the entry allows: harness/widen.py). The verdict's noise level at an element is the
-    largest error among the samples. The model's evaluations are one folded evaluation (`evaluate_folded`)."""
-    near = neighbours_of(inputs, neighbours)
-    if at_neighbours is None and near:
-        if oracle is None:
+    neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``. ``at_neighbours``: (the
+    neighbour inputs, `neighbours_of`; the oracle at each) where the caller has them, else ``oracle(case,
+    inputs)`` evaluates them (side by side where the entry allows: harness/widen.py). The verdict's noise level
+    at an element is the largest error among the samples. The model's evaluations are one folded evaluation
+    (`evaluate_folded`)."""
+    if at_neighbours is not None:
+        near, exact = at_neighbours
+    else:
+        near = neighbours_of(inputs, neighbours)
+        if near and oracle is None:
             raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
-        at_neighbours = widen.evaluate(oracle, case, near)
-    models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * neighbours, device)
+        exact = widen.evaluate(oracle, case, near) if near else []
+    models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * len(near), device)
     out = models[:samples]
-    for model, exact in zip(models[samples:], at_neighbours or []):
-        out.append(_shifted(out[0], truth, model, exact))
+    for model, there in zip(models[samples:], exact):
+        out.append(_shifted(out[0], truth, model, there))
     return out

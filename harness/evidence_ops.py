@@ -70,18 +70,18 @@ def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
     from harness.case import Case
     from harness.inputs import materialize
 
-    print("| chunks | materialize ops | oracle ops (at the inputs and two neighbours) | baseline ops (five samples) |")
+    print("| chunks | inputs ops (the case's and its neighbours') | oracle ops (at the inputs and two neighbours) | baseline ops (five samples) |")
     print("|---|---|---|---|")
     for c in counts:
         case = Case(batch=1, seqlen=64 * c, nheads=2, headdim=16, dstate=128, chunk_size=64, dtype=dtype,
                     pass_="backward" if backward else "forward", seed=1)
         with Counting() as made:
             inputs = materialize(case, device)
+            near = baseline.neighbours_of(inputs)
         with Counting() as truths:
-            truth, *near = widen.evaluate(lambda k, i: oracle.evaluate(k, i), case,
-                                          [inputs, *baseline.neighbours_of(inputs)])
+            truth, *at_near = widen.evaluate(oracle.evaluate, case, [inputs, *near])
         with Counting() as model:
-            baseline.evaluate_samples(case, inputs, truth, at_neighbours=near)
+            baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
         print(f"| {c} | {made.total} | {truths.total} | {model.total} |")
     return 0
 

@@ -167,9 +167,10 @@ class Examiner:
         inputs = materialize(case, self.device)
         self.oracle_evaluations += 1
         # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
-        truth, *at_neighbours = widen.evaluate(self.oracle_at, case, [inputs, *baseline.neighbours_of(inputs)])
+        near = baseline.neighbours_of(inputs)
+        truth, *at_near = widen.evaluate(self.oracle_at, case, [inputs, *near])
         self.baseline_evaluations += 1
-        samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=at_neighbours)
+        samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found

@@ -2,7 +2,7 @@
 
 `judge` compares every output, gradient and stage intermediate with the float64 oracle and reports each as a
 ratio to a per-element budget (below 1: within it), derived from a same-precision baseline
-(harness/baseline.py) in budget cells (`cell_ids`), with NaN/Inf, mismatches and failed runs kept apart as
+(harness/baseline.py) in budget cells (`cells`), with NaN/Inf, mismatches and failed runs kept apart as
 statuses of their own; `disagreement` compares two implementations the same way. The rule, its constants
 (FACTOR, MIN_CELL) and their calibration: harness/README.md, "The verdict".
 """
@@ -110,15 +110,10 @@ def _axis_cell_index(axis: str, size: int, case: Case, axes: TensorAxes, device)
 _COARSEN = (("token", "chunk"), ("head", "group", "channel"), ("batch", "seq"))
 
 
-def cell_ids(shape, axes: TensorAxes, case: Case, device, min_cell: int = MIN_CELL) -> torch.Tensor:
-    """An int64 tensor of ``shape``: the budget cell of each element (dense ids from 0)."""
-    return cells(shape, axes, case, device, min_cell)[0]
-
-
 def cells(shape, axes: TensorAxes, case: Case, device, min_cell: int = MIN_CELL) -> tuple:
-    """(`cell_ids`, how many cells). The ids are dense without a pass over them: each axis's coordinates take
-    every value below its span, so their mixed-radix number takes every value below the product (and nothing is
-    read back from the device)."""
+    """(an int64 tensor of ``shape``: the budget cell of each element, how many cells). The ids are dense
+    without a pass over them: each axis's coordinates take every value below its span, so their mixed-radix
+    number takes every value below the product (and nothing is read back from the device)."""
     numel = math.prod(shape) if shape else 1
     dropped: set = set()
     for level in range(len(_COARSEN) + 1):

@@ -21,7 +21,7 @@ from harness.inputs import materialize
 from harness.localize import fit_case
 from harness.oracle import evaluate
 from harness.strategies import Bounds, cases
-from harness.verdict import FACTOR, UNIT_ROUNDOFF, cell_ids, disagreement, element_budget, judge, judge_tensor
+from harness.verdict import FACTOR, UNIT_ROUNDOFF, cells, disagreement, element_budget, judge, judge_tensor
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
 
@@ -170,11 +170,14 @@ def test_two_sides_disagreement_is_measured_against_their_joint_budget(device):
 
 def test_cells_follow_batch_chunk_and_head_and_merge_when_small(device):
     case = Case(batch=2, seqlen=64, nheads=4, headdim=8, dstate=4, chunk_size=16)
-    ids = cell_ids((2, 64, 4, 8), axes_of("output", "y", case), case, device)
-    assert int(ids.max()) + 1 == 2 * 4 * 4                 # batch x chunk x head, 128 elements each
+    ids, ncells = cells((2, 64, 4, 8), axes_of("output", "y", case), case, device)
+    assert ncells == 2 * 4 * 4                             # batch x chunk x head, 128 elements each
+    assert torch.equal(torch.unique(ids).cpu(), torch.arange(ncells))     # dense, as the count says
     assert ids[0, 0, 0, 0] == ids[0, 15, 0, 7] != ids[0, 16, 0, 0]
-    tiny = cell_ids((4,), TensorAxes(("head",)), case, device)    # 1-element cells merge into one
-    assert int(tiny.max()) == 0
+    ragged, n = cells((1, 40, 3, 2), axes_of("output", "y", case), case, device)     # a partial last chunk
+    assert torch.equal(torch.unique(ragged).cpu(), torch.arange(n))
+    tiny, one = cells((4,), TensorAxes(("head",)), case, device)    # 1-element cells merge into one
+    assert one == 1 and int(tiny.max()) == 0
 
 
 def test_the_budget_scales_with_the_dtype():
@@ -384,14 +387,13 @@ def test_float16_subnormal_gradients_are_in_the_layer_budget(device):
     assert_within_budget("fla.mamba2_torch", SUBNORMAL_CASE, device)
 
 
-def test_the_state_passing_function_is_the_recurrence_with_its_gradient():
+def test_the_state_passing_function_is_the_recurrence_with_its_gradient(device):
     """baseline._PassStates (the model's state passing as one function) against torch's own gradient of
     the recurrence state_k = carry_k * state_k-1 + chunk_states_k, in float64 with no rounding point; then the
     chunk states' gradient rounded to the stored dtype, as `Rounding.grad_store` rounds it."""
     g = torch.Generator().manual_seed(0)
-    cs = torch.randn(2, 5, 1, 3, 4, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    carry = torch.rand(2, 5, 1, 3, dtype=torch.float64, generator=g, requires_grad=True)
-    init = torch.randn(2, 1, 3, 4, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    drawn = lambda f, *shape: f(*shape, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
+    cs, carry, init = drawn(torch.randn, 2, 5, 1, 3, 4, 2), drawn(torch.rand, 2, 5, 1, 3), drawn(torch.randn, 2, 1, 3, 4, 2)
     run = lambda s, c, i: baseline._PassStates.apply(s, c, i, "float32", None)
     assert torch.autograd.gradcheck(run, (cs, carry, init))
     state, plain = init, []
@@ -401,7 +403,7 @@ def test_the_state_passing_function_is_the_recurrence_with_its_gradient():
     assert torch.allclose(run(cs, carry, init), torch.stack(plain, 1), rtol=1e-13, atol=1e-13)
 
     cs32 = cs.detach().float().requires_grad_(True)
-    up = torch.randn(2, 5, 1, 3, 4, 2, generator=g)
+    up = torch.randn(2, 5, 1, 3, 4, 2, generator=g).to(device)
     baseline._PassStates.apply(cs32, carry.detach().float(), init.detach().float(), "bfloat16", None).backward(up)
     ref32 = cs.detach().float().requires_grad_(True)
     baseline._PassStates.apply(ref32, carry.detach().float(), init.detach().float(), "float32", None).backward(up)
