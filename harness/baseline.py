@@ -223,19 +223,18 @@ class _PassStates(torch.autograd.Function):
     one function: the forward and the backward recurrences in float32 with the rounding points `Rounding.keep`
     and `Rounding.grad_store` would put at every step, each step's random signs drawn for all the steps at once
     (a loop of autograd nodes drew them step by step: about 70 operations a chunk, the most of a long case's
-    evidence; this is 12). Returns the state after each chunk, (b, c, ...)."""
+    evidence; this is one fused multiply-add a chunk each way). Returns the state after each chunk, (b, c, ...)."""
 
     @staticmethod
     def forward(ctx, chunk_states, carry, initial, store_precision, gen):
         carry6 = carry[..., None, None]                                        # (b, c, g, r, 1, 1)
-        grow = None if gen is None else 1.0 + UNIT["float32"] * gen.like(chunk_states)
-        state, after = initial, []
-        for k in range(chunk_states.shape[1]):
-            state = torch.addcmul(chunk_states[:, k], carry6[:, k], state)
-            if grow is not None:
-                state = state * grow[:, k]
-            after.append(state)
-        after = torch.stack(after, dim=1)
+        adds, muls = chunk_states, carry6
+        if gen is not None:                  # grow (carry state + chunk state) = grow chunk state + grow carry state
+            grow = 1.0 + UNIT["float32"] * gen.like(chunk_states)
+            adds, muls = chunk_states * grow, carry6 * grow
+        after, state = torch.empty_like(chunk_states), initial
+        for add, mul, out in zip(adds.unbind(1), muls.unbind(1), after.unbind(1)):
+            state = torch.addcmul(add, mul, state, out=out)
         ctx.save_for_backward(carry6, initial, after)
         ctx.store_precision, ctx.gen = store_precision, gen
         return after
@@ -245,14 +244,15 @@ class _PassStates(torch.autograd.Function):
         carry6, initial, after = ctx.saved_tensors
         gen, c = ctx.gen, after.shape[1]
         grow = None if gen is None else 1.0 + UNIT["float32"] * gen.like(after)
-        d_sum = torch.empty_like(after)                   # the gradient reaching each step's sum
-        d_state = d_after[:, c - 1]
-        for k in reversed(range(c)):
-            if grow is not None:
-                d_state = d_state * grow[:, k]
-            d_sum[:, k] = d_state
-            if k:
-                d_state = torch.addcmul(d_after[:, k - 1], carry6[:, k], d_state)
+        muls = carry6 if grow is None else carry6 * grow
+        # whole_k, the whole gradient of step k's state: whole_c-1 = d_after_c-1, whole_k-1 = d_after_k-1 +
+        # grow_k carry_k whole_k; the gradient reaching step k's sum is grow_k whole_k
+        whole = torch.empty_like(after)
+        d_k, mul_k, whole_k = d_after.unbind(1), muls.unbind(1), whole.unbind(1)
+        whole_k[c - 1].copy_(d_k[c - 1])
+        for k in range(c - 1, 0, -1):
+            torch.addcmul(d_k[k - 1], mul_k[k], whole_k[k], out=whole_k[k - 1])
+        d_sum = whole if grow is None else whole * grow
         before = torch.cat([initial[:, None], after[:, :-1]], dim=1)
         d_carry = (d_sum * before).sum((-1, -2))
         d_chunk_states = d_sum

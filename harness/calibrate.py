@@ -5,7 +5,7 @@ localization or minimization, known defects reported) judges N cases; every outp
 *required factor* — its ratio times FACTOR, i.e. the FACTOR at which it would just pass — is collected:
 
     python -m harness.calibrate --impl mamba_ssm.chunk_scan_combined --impl mamba_ssm.split_conv1d_combined \
-        --dtype float32,float16 --cases 1250 [--rounds 10] [--device cpu] [--pass mixed] [--seed 0] \
+        --dtype float32,float16 --cases 1250 [--rounds 10] [--max-time S] [--device cpu] [--pass mixed] [--seed 0] \
         [--json calibration.json]
 
 It prints per implementation and dtype: the cases judged, the tensor verdicts, the required factor's median,
@@ -107,11 +107,12 @@ def _finite(x: float):
 
 
 def campaign(row: Row, cases: int, pass_: str, seed: Optional[int],
-             checkpoint: Callable[[], None] = lambda: None):
-    """Add one fuzz search of ``cases`` Hypothesis examples of ``row``'s implementation and dtype to ``row``.
-    ``checkpoint()`` is called every CHECKPOINT judged cases (a long run's partial figures)."""
+             checkpoint: Callable[[], None] = lambda: None, max_time: Optional[float] = None):
+    """Add one fuzz search of ``cases`` Hypothesis examples of ``row``'s implementation and dtype (or fewer,
+    ``max_time`` seconds of search) to ``row``. ``checkpoint()`` is called every CHECKPOINT judged cases (a
+    long run's partial figures)."""
     config = FuzzConfig(impl=row.impl, dtypes=(row.dtype,), device=row.device, pass_=pass_, seed=seed,
-                        max_examples=cases, max_time=None, keep_going=True, localize=False, minimize=False,
+                        max_examples=cases, max_time=max_time, keep_going=True, localize=False, minimize=False,
                         known="report", report_dir=None, out_dir=tempfile.mkdtemp(prefix="ssdiff-calibrate-"))
     before = (row.cases, row.skipped, row.elapsed_s)
     start = time.perf_counter()
@@ -158,6 +159,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="split each campaign into this many searches (seeds seed, seed + 1, ...), every "
                              "implementation and dtype in turn: a run cut short has figures for all of them")
+    parser.add_argument("--max-time", type=float, default=None,
+                        help="seconds for the whole run: each search gets an equal share of what is left, and "
+                             "ends at its share or its cases, whichever comes first")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: where kernels run here)")
     parser.add_argument("--pass", dest="pass_", default="mixed", choices=PASSES)
     parser.add_argument("--seed", type=int, default=None)
@@ -185,10 +189,16 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
 
+    deadline = None if args.max_time is None else time.monotonic() + args.max_time
     for round_ in range(rounds):
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         share = args.cases // rounds + (1 if round_ < args.cases % rounds else 0)
-        for row in rows:
-            campaign(row, share, args.pass_, None if args.seed is None else args.seed + round_, checkpoint=write)
+        for i, row in enumerate(rows):
+            searches = (rounds - round_) * len(rows) - i           # this one and those after it
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0) / searches
+            campaign(row, share, args.pass_, None if args.seed is None else args.seed + round_, checkpoint=write,
+                     max_time=left)
         done_rounds = round_ + 1
         write()
     console.print(table(rows))

@@ -1,6 +1,7 @@
 """The three float64 oracles (recurrent, quadratic, chunked) agree on every output, gradient and stage, over
 generated cases spanning every feature of both entry points."""
 
+import torch
 from hypothesis import example, given
 
 from harness.case import Case, Regime
@@ -16,3 +17,19 @@ from properties.oracle_checks import oracles_agree
               regime=Regime(decay="mild", values="integer", layout="strided"), seed=1))
 def test_three_oracles_agree(device, case):
     oracles_agree(case, device)
+
+
+def test_the_chunked_oracles_state_passing_is_the_recurrence_with_its_gradient(device):
+    """The chunked oracle's states between chunks (one autograd function) against the recurrence S_0 = initial,
+    S_k+1 = keep_k S_k + chunk_states_k, and its gradient against torch's numerical one."""
+    from harness.oracle.chunked import _CarryStates
+
+    g = torch.Generator().manual_seed(0)
+    drawn = lambda f, *shape: f(*shape, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
+    cs, keep, init = drawn(torch.randn, 2, 5, 1, 3, 4, 2), drawn(torch.rand, 2, 5, 1, 3), drawn(torch.randn, 2, 1, 3, 4, 2)
+    state, plain = init, [init]
+    for k in range(5):
+        state = keep[:, k, ..., None, None] * state + cs[:, k]
+        plain.append(state)
+    assert torch.allclose(_CarryStates.apply(cs, keep, init), torch.stack(plain, 1), rtol=1e-13, atol=1e-13)
+    assert torch.autograd.gradcheck(_CarryStates.apply, (cs, keep, init))

@@ -401,6 +401,15 @@ def test_the_state_passing_function_is_the_recurrence_with_its_gradient(device):
         state = carry[:, k, ..., None, None] * state + cs[:, k]
         plain.append(state)
     assert torch.allclose(run(cs, carry, init), torch.stack(plain, 1), rtol=1e-13, atol=1e-13)
+    # a perturbed sample: each step's sum grown by 1 + u s with the sample's signs s, drawn for all steps at once
+    grow = 1.0 + baseline.UNIT["float32"] * baseline.Signs(7919).like(cs)
+    state, grown = init, []
+    for k in range(5):
+        state = (carry[:, k, ..., None, None] * state + cs[:, k]) * grow[:, k]
+        grown.append(state)
+    perturbed = baseline._PassStates.apply(cs, carry, init, "float32", baseline.Signs(7919))
+    assert torch.allclose(perturbed, torch.stack(grown, 1), rtol=1e-13, atol=1e-13)
+    assert not torch.equal(perturbed, torch.stack(plain, 1))
 
     cs32 = cs.detach().float().requires_grad_(True)
     up = torch.randn(2, 5, 1, 3, 4, 2, generator=g).to(device)
