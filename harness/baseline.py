@@ -117,7 +117,7 @@ class Signs:
         if gen is None:
             gen = self._generators[t.device] = torch.Generator(device=t.device).manual_seed(self.seed)
         shape = t.shape if shape is None else shape
-        return torch.randint(0, 2, shape, generator=gen, device=t.device, dtype=torch.int8).to(t.dtype) * 2 - 1
+        return torch.randint(0, 2, shape, generator=gen, device=t.device, dtype=t.dtype) * 2 - 1
 
 
 class FoldedSigns:
@@ -713,22 +713,22 @@ def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[s
 
     result = evaluate_graph(case, folded, leaves, forward)
 
-    def part(name, t, i, kind):
-        """Fold i of a result: its rows, or (parameters' gradients, varlen_states) its index on the fold axis."""
+    def by_fold(name, t, kind):
+        """The folds of a result along a leading axis: its rows regrouped, or (parameters' gradients,
+        varlen_states) its fold axis as it is."""
         if folds == 1:
-            return t
+            return t[None]
         if (kind == "grads" and name in PARAMETERS) or name == "varlen_states":
-            return t[i]
-        rows = t.shape[0] // folds
-        return t[i * rows:(i + 1) * rows]
+            return t
+        return t.reshape((folds, t.shape[0] // folds) + t.shape[1:])
 
-    out = []
-    for i in range(folds):
-        as64 = lambda d, kind: {k: part(k, v, i, kind).to(torch.float64) for k, v in d.items()}
-        grads = {k: part(k, g, i, "grads").to(first.dtypes[k]).to(torch.float64) for k, g in result.grads.items()}
-        out.append(Evaluation(outputs=as64(result.outputs, "outputs"), stages=as64(result.stages, "stages"),
-                              grads=grads))
-    return out
+    # each result converted once for every fold, then unbound into the folds' views
+    split = lambda d, kind, cast=lambda k, t: t: {
+        k: cast(k, by_fold(k, v, kind)).to(torch.float64).unbind(0) for k, v in d.items()}
+    outputs, stages = split(result.outputs, "outputs"), split(result.stages, "stages")
+    grads = split(result.grads, "grads", lambda k, t: t.to(first.dtypes[k]))
+    at = lambda d, i: {k: v[i] for k, v in d.items()}
+    return [Evaluation(outputs=at(outputs, i), stages=at(stages, i), grads=at(grads, i)) for i in range(folds)]
 
 
 # Neighbour samples: the model kernel at inputs one unit roundoff away (each input element moved by +-2u of its
@@ -756,20 +756,24 @@ def neighbour(inputs: Inputs, k: int) -> Inputs:
     return dataclasses.replace(inputs, values=values)
 
 
-def _shifted(base: Evaluation, truth: Evaluation, model: Evaluation, exact: Evaluation) -> Evaluation:
-    """truth + (model - exact), key by key (``base``'s keys; ``base``'s value where a term is missing or not
-    finite): a sample whose error against ``truth`` is the model's error at the neighbouring inputs."""
-    def part(field):
-        out = {}
+def _shifted(base: Evaluation, truth: Evaluation, models: list, exacts: list) -> list:
+    """For each neighbour (a model evaluation and the oracle's at its inputs): truth + (model - exact), key by key
+    (``base``'s keys; ``base``'s value where a term is missing or not finite): a sample whose error against
+    ``truth`` is the model's error at the neighbouring inputs. The neighbours of a key are computed together."""
+    shifted = [{"outputs": {}, "grads": {}, "stages": {}} for _ in models]
+    for field in ("outputs", "grads", "stages"):
         for key, fallback in getattr(base, field).items():
-            t, m, e = (getattr(x, field).get(key) for x in (truth, model, exact))
-            if t is None or m is None or e is None or t.shape != m.shape or m.shape != e.shape:
-                out[key] = fallback
+            t = getattr(truth, field).get(key)
+            ms = [getattr(m, field).get(key) for m in models]
+            es = [getattr(e, field).get(key) for e in exacts]
+            if t is None or any(x is None or x.shape != t.shape for x in ms + es):
+                for out in shifted:
+                    out[field][key] = fallback
                 continue
-            v = t + (m - e)
-            out[key] = torch.where(torch.isfinite(v), v, fallback)
-        return out
-    return Evaluation(outputs=part("outputs"), grads=part("grads"), stages=part("stages"))
+            v = t + (torch.stack(ms) - torch.stack(es))
+            for out, value in zip(shifted, torch.where(torch.isfinite(v), v, fallback).unbind(0)):
+                out[field][key] = value
+    return [Evaluation(**parts) for parts in shifted]
 
 
 def neighbours_of(inputs: Inputs, count: int = NEIGHBOURS) -> list:
@@ -794,7 +798,4 @@ def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Opti
             raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
         exact = widen.evaluate(oracle, case, near) if near else []
     models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * len(near), device)
-    out = models[:samples]
-    for model, there in zip(models[samples:], exact):
-        out.append(_shifted(out[0], truth, model, there))
-    return out
+    return models[:samples] + (_shifted(models[0], truth, models[samples:], exact) if near else [])

@@ -246,15 +246,15 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     device = truth.device
     a = actual.detach().to(device=device, dtype=torch.float64)
     t = truth.detach().to(torch.float64)
-    b = [x.detach().to(device=device, dtype=torch.float64) for x in (base if isinstance(base, (list, tuple))
-                                                                      else [base])]
+    # the baseline samples as one tensor (sample, *shape): each step below is then one operation for all of them
+    b = torch.stack([x.detach() for x in (base if isinstance(base, (list, tuple)) else [base])]).to(
+        device=device, dtype=torch.float64)
     ref = t if reference is None else reference.detach().to(device=device, dtype=torch.float64)
     mask = judged_mask(kind, short, case, inputs, axes, t.shape)
     judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(device)
     # Out of the dtype's range: the oracle beyond the storage dtype's largest value, or a baseline overflow.
-    in_range = torch.isfinite(ref) & (t.abs() <= torch.finfo(storage_dtype(kind, short, case, inputs)).max)
-    for sample in b:
-        in_range &= torch.isfinite(sample)
+    in_range = (torch.isfinite(ref) & (t.abs() <= torch.finfo(storage_dtype(kind, short, case, inputs)).max)
+                & torch.isfinite(b).all(0))
     bad = judged & in_range & ~torch.isfinite(a)
     # the counts in one transfer: on a GPU every scalar read waits for the device
     out_of_range, excluded, n_judged, count = (int(v) for v in torch.stack([
@@ -287,16 +287,14 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, axes=axes)
     if n_judged == 0:
         return tv
-    flat_ratio = ratio.reshape(-1)
-    flat = flat_ratio.argmax()
+    flat = ratio.reshape(-1).argmax()
     # the figures and the worst element in one transfer (each scalar read is a device sync on a GPU)
-    figures = torch.stack([
-        flat_ratio[flat], (ratio > 1.0).sum().to(torch.float64), err.max(), tabs.pow(2).sum().sqrt(),
-        err.pow(2).sum().sqrt(), berr.pow(2).sum().sqrt(), flat.to(torch.float64),
-        a.reshape(-1)[flat], ref.reshape(-1)[flat], err.reshape(-1)[flat], budget.reshape(-1)[flat],
-        berr.reshape(-1)[flat], noise[ids.reshape(-1)[flat]]]).tolist()
-    (tv.ratio, out_of_budget, tv.max_abs, norm_t, err_norm, berr_norm, flat, actual, expected, error, bound,
-     base_error, cell_noise) = figures
+    at_worst = torch.stack([ratio, a, ref, err, budget, berr, noise[ids]]).reshape(7, -1)[:, flat]
+    norms = torch.linalg.vector_norm(torch.stack([tabs, err, berr]).reshape(3, -1), dim=1)
+    figures = torch.cat([at_worst, norms, torch.stack([(ratio > 1.0).sum().to(torch.float64), err.max(),
+                                                       flat.to(torch.float64)])]).tolist()
+    (tv.ratio, actual, expected, error, bound, base_error, cell_noise, norm_t, err_norm, berr_norm, out_of_budget,
+     tv.max_abs, flat) = figures
     tv.out_of_budget = int(out_of_budget)
     scale = norm_t if norm_t > 0 else 1.0
     tv.rel_rms = err_norm / scale
@@ -313,9 +311,11 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
 
 def element_budget(t, b, judged, axes: TensorAxes, case: Case, u: float, factor: float = FACTOR):
     """The budget of every element (harness/README.md, "The verdict") for oracle ``t`` and baseline samples ``b``
-    (a list of tensors). Returns (budget, cell noise, cell ids, baseline error, |t|), masked by ``judged``."""
+    (a list of tensors, or one with the samples along its first axis). Returns (budget, cell noise, cell ids,
+    baseline error, |t|), masked by ``judged``."""
     zero = torch.zeros((), dtype=torch.float64, device=t.device)
-    berr = torch.where(judged, torch.stack([(x - t).abs() for x in b]).amax(0), zero)
+    samples = b if isinstance(b, torch.Tensor) else torch.stack(list(b))
+    berr = torch.where(judged, (samples - t).abs().amax(0), zero)
     tabs = torch.where(judged, t.abs(), zero)
     ids, ncells = cells(tuple(t.shape), axes, case, t.device)
     noise = _scatter(berr, ids, ncells, "amax")
