@@ -553,15 +553,16 @@ def _swiglu(zx0, d_nonssm, rounding: Rounding = EXACT):
 def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L, rounding: Rounding = EXACT):
     """The state after the last token of each sequence of one batch row, in float32: (nseq, h, p, n); the
     products' operands rounded as for the chunk states (B scaled by decay and dt; the entering state)."""
-    ends = [t for t in range(L) if seq[t] >= 0 and (t == L - 1 or seq[t + 1] != seq[t])]
+    at, before = seq.tolist(), prev_last.tolist()           # read once: a device scalar read per token is a sync
+    ends = [t for t in range(L) if at[t] >= 0 and (t == L - 1 or at[t + 1] != at[t])]
     states = []
     for t in ends:
         k, i = divmod(t, Q)
-        members = seq[k * Q:k * Q + i + 1] == seq[t]
+        members = seq[k * Q:k * Q + i + 1] == at[t]
         w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * d_g[k, :i + 1] * members[:, None, None]
         Bs = rounding.dot(B_c[k, :i + 1, :, None, :] * w[..., None])                     # (j, g, r, n)
         state = torch.einsum("jgrp,jgrn->grpn", x_c[k, :i + 1], Bs)
-        if seq[t] == prev_last[k]:
+        if at[t] == before[k]:
             state = state + torch.exp(cs_g[k, i])[..., None, None] * rounding.dot(passed[k])
         g, r, p, n = state.shape
         states.append(state.reshape(g * r, p, n))

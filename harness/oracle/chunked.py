@@ -156,14 +156,15 @@ class _CarryStates(torch.autograd.Function):
 
 def _sequence_end_states(seq, seg, cs_g, dx, B_c, passed, prev_last, Q, L):
     """The state after the last token of each sequence of one batch row: (nseq, h, p, n)."""
-    ends = [t for t in range(L) if seq[t] >= 0 and (t == L - 1 or seq[t + 1] != seq[t])]
+    at, before = seq.tolist(), prev_last.tolist()           # read once: a device scalar read per token is a sync
+    ends = [t for t in range(L) if at[t] >= 0 and (t == L - 1 or at[t + 1] != at[t])]
     states = []
     for t in ends:
         k, i = divmod(t, Q)
-        members = (seq[k * Q:k * Q + i + 1] == seq[t])                     # tokens of this chunk up to t
+        members = (seq[k * Q:k * Q + i + 1] == at[t])                     # tokens of this chunk up to t
         w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * members[:, None, None]   # (j, g, r)
         state = torch.einsum("jgr,jgrp,jgn->grpn", w, dx[k, :i + 1], B_c[k, :i + 1])
-        if seq[t] == prev_last[k]:
+        if at[t] == before[k]:
             state = state + torch.exp(cs_g[k, i])[..., None, None] * passed[k]
         g, r, p, n = state.shape
         states.append(state.reshape(g * r, p, n))

@@ -76,7 +76,8 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
     final = torch.stack([state_at(row, L - 1) for row in range(b)])
     varlen = None
     if b == 1 and has_seq_idx:
-        ends = [t for t in range(L) if seq[0, t] >= 0 and (t == L - 1 or seq[0, t + 1] != seq[0, t])]
+        at = seq[0].tolist()                              # read once: a device scalar read per token is a sync
+        ends = [t for t in range(L) if at[t] >= 0 and (t == L - 1 or at[t + 1] != at[t])]
         if ends:
             varlen = torch.stack([state_at(0, t) for t in ends])
 
