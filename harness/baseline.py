@@ -354,13 +354,36 @@ def over_rows(p: Optional[torch.Tensor], folds: int, rows: int, lead: int = 0) -
     return per_row.reshape(per_row.shape[:1] + (1,) * lead + per_row.shape[1:])
 
 
-def _linear(x, weight, bias, folds: int):
-    """torch's F.linear; folded, each row with its fold's weight and bias (a batched matmul)."""
-    if not folds:
+class _LinearReading(torch.autograd.Function):
+    """x @ weight^T (weight (o, d), or one per row (rows, o, d)) whose weight gradient reads ``read`` instead of x:
+    the input as the backward recomputes it. x's gradient is the upstream gradient times the weight."""
+
+    @staticmethod
+    def forward(ctx, x, read, weight):
+        ctx.save_for_backward(read, weight)
+        return torch.matmul(x, weight.transpose(-1, -2))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        read, weight = ctx.saved_tensors
+        d_weight = torch.matmul(grad.transpose(-1, -2), read)                # (..., o, d)
+        if weight.dim() == 2:
+            d_weight = d_weight.reshape((-1,) + d_weight.shape[-2:]).sum(0)
+        return torch.matmul(grad, weight), None, d_weight
+
+
+def _linear(x, weight, bias, folds: int, read: Optional[torch.Tensor] = None):
+    """torch's F.linear; folded, each row with its fold's weight and bias (a batched matmul). ``read``: the input
+    the weight's gradient reads, where the backward recomputes it (`_LinearReading`)."""
+    if not folds and read is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    out = torch.matmul(x, over_rows(weight, folds, rows).transpose(-1, -2))
-    return out + over_rows(bias, folds, rows, lead=1) if bias is not None else out
+    w = over_rows(weight, folds, rows) if folds else weight
+    out = torch.matmul(x, w.transpose(-1, -2)) if read is None else _LinearReading.apply(x, read, w)
+    if bias is None:
+        return out
+    return out + (over_rows(bias, folds, rows, lead=1) if folds else bias)
 
 
 def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -601,11 +624,20 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
     xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding, folds))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
+    zh = z.unflatten(-1, (h, p))
+    # Without the norm the scan gates in float32, and with an out_proj the fused backward (mamba_ssm's
+    # MambaSplitConv1dScanCombinedFn, recompute_output) takes the weight's gradient from the gated output its dz
+    # kernel recomputes from the pre-gate output the forward stored in the case dtype: recomputed here, gated here.
+    recompute = rms is None and "outproj_weight" in tensors and not (case.entry == "layer" and case.layer_steps)
     y, final, stages = _mixer_scan(
         case, rounding, x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
-        D=tensors["D"], z=None if rms is not None else z.unflatten(-1, (h, p)), dt_bias=tensors["dt_bias"],
+        D=tensors["D"], z=None if rms is not None or recompute else zh, dt_bias=tensors["dt_bias"],
         initial_states=tensors.get("initial_states"), seq_idx=seq_idx, folds=folds)
     stages = {"conv": xBC, **stages}
+    recomputed = None
+    if recompute:
+        recomputed = store(store(y.detach()) * F.silu(zh.detach())).flatten(-2)
+        y = stages["gated"] = rounding.gate(y, zh)
     y = y.flatten(-2)
     if rms is not None:
         # The chunk scan writes y in the case dtype and the norm kernel reads it (and writes the gradient of its
@@ -614,13 +646,17 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
         # its ref and ssdiff's kernel alike, bit for bit).
         y = norm_vectorized(store(y), z, over_rows(rms, folds, b, lead=1), g, case.rmsnorm_eps, case.norm_before_gate)
     if case.d_nonssm:
-        y = torch.cat([_swiglu(zx0, case.d_nonssm, rounding), y], dim=-1)
+        swiglu = _swiglu(zx0, case.d_nonssm, rounding)
+        y = torch.cat([swiglu, y], dim=-1)
+        if recomputed is not None:
+            recomputed = torch.cat([swiglu.detach(), recomputed], dim=-1)
     if rms is not None or case.d_nonssm:
         y = store(y)
         stages["normed"] = y
     if "outproj_weight" in tensors:
         y = _linear(rounding.linear_operand(y), rounding.linear_operand(tensors["outproj_weight"]),
-                    tensors.get("outproj_bias"), folds)
+                    tensors.get("outproj_bias"), folds,
+                    read=None if recomputed is None else rounding.linear_operand(recomputed))
     return y, final, stages
 
 

@@ -9,11 +9,14 @@ draws them (GPU_BOUNDS):
     python -m harness.evidence_ops [--entry chunk_scan] [--dtype bfloat16] [--pass backward] [--cases 8]
         [--seed 1] [--device cpu] [--impl ref.quadratic]
     python -m harness.evidence_ops --by-chunks 1,8,32,64 [--dtype bfloat16] [--pass backward]
+    python -m harness.evidence_ops --phases [--device cuda] [--impl mamba_ssm.chunk_scan_combined] [--dtype bfloat16]
 
 Columns, per case: the evidence (materialize, oracle, baseline samples: `Examiner.evidence`) and the verdict of
 one side (`verdict.judge`), as operations and as scalar reads. ``--by-chunks``: one chunk_scan case per count of
 chunks (b=1 h=2 p=16 n=128, chunk 64), the evidence's operations by part: what grows with a long sequence (the
-production shapes' 8 to 256 chunks).
+production shapes' 8 to 256 chunks). ``--phases``: seconds, not counts, of each part of examining a warm case
+(the device synchronized after each part), for a small shape and a production one (PHASE_SHAPES), the mean of
+the seeds after a first, compiling one.
 """
 
 from __future__ import annotations
@@ -86,6 +89,69 @@ def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
     return 0
 
 
+# --phases: a shape a GPU campaign draws, and one at production shapes (seqlen >= 2048, dstate >= 128)
+PHASE_SHAPES = {
+    "small": dict(batch=2, seqlen=200, nheads=6, headdim=32, ngroups=2, dstate=32, chunk_size=64),
+    "production": dict(batch=1, seqlen=2048, nheads=16, headdim=64, ngroups=1, dstate=128, chunk_size=256),
+}
+# ... and under the interpreter, where those would take minutes
+PHASE_SHAPES_INTERPRETED = {"small": dict(batch=1, seqlen=16, nheads=2, headdim=4, ngroups=1, dstate=4, chunk_size=8)}
+
+
+def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
+    import time
+
+    import torch
+
+    from harness import baseline, runtime, verdict, widen
+    from harness.case import Case
+    from harness.examine import Examiner
+    from harness.inputs import materialize
+
+    examiner = Examiner([impl], device)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    shapes = PHASE_SHAPES_INTERPRETED if runtime.interpreted() else PHASE_SHAPES
+    parts = ("inputs", "neighbours", "oracle", "baseline", "kernels", "verdict")
+    print("| shape | " + " | ".join(parts) + " | total |")
+    print("|---|" + "---|" * (len(parts) + 1))
+    for label, shape in shapes.items():
+        times = []
+        for seed in range(seeds):
+            case = Case(**shape, dtype=dtype, has_z=True, pass_="backward", seed=seed)
+            clock, took = time.perf_counter(), {}
+
+            def lap(name):
+                nonlocal clock
+                sync()
+                now = time.perf_counter()
+                took[name], clock = now - clock, now
+
+            sync()
+            clock = time.perf_counter()
+            inputs = materialize(case, device)
+            lap("inputs")
+            near = baseline.neighbours_of(inputs)
+            lap("neighbours")
+            truth, *at_near = widen.evaluate(examiner.oracle_at, case, [inputs, *near])
+            lap("oracle")
+            samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
+            lap("baseline")
+            run = examiner.runner.run(impl, case, inputs, False, "tuned")
+            lap("kernels")
+            if run.status != "ok":
+                raise SystemExit(f"{impl} failed on {case.describe()}: {run.detail}")
+            verdict.judge(impl, case, inputs, run.outputs, truth, samples)
+            lap("verdict")
+            times.append(took)
+        warm = times[1:] or times                      # the first seed compiles
+        mean = {k: sum(t[k] for t in warm) / len(warm) for k in parts}
+        described = Case(**shape, dtype=dtype, has_z=True, pass_="backward").describe().split(" | seed")[0].replace(
+            " | ", ", ")
+        print(f"| {described} | " + " | ".join(f"{mean[k]:.3f} s" for k in parts)
+              + f" | {sum(mean.values()):.3f} s |")
+    return 0
+
+
 def main(argv=None) -> int:
     from harness import runtime
 
@@ -100,7 +166,13 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", default="ref.quadratic", help="the side whose verdict is counted")
     parser.add_argument("--by-chunks", default=None, metavar="N,N,...",
                         help="count the evidence of one chunk_scan case per number of chunks instead")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each part of examining a warm case instead (--impl then defaults to "
+                             "mamba_ssm.chunk_scan_combined)")
     args = parser.parse_args(argv)
+    if args.phases:
+        impl = "mamba_ssm.chunk_scan_combined" if args.impl == "ref.quadratic" else args.impl
+        return phases(impl, args.dtype, args.device)
     if args.by_chunks:
         return by_chunks([int(n) for n in args.by_chunks.split(",")], args.dtype, args.pass_ == "backward",
                          args.device)

@@ -371,6 +371,39 @@ def test_the_pre_gate_output_the_dz_kernel_reads_is_stored_in_the_dtype(device):
     assert verdict.tensor("grad.z").out_of_range == 1
 
 
+# Found by an H200 fuzz of fla's Mamba2 layer in training mode (fla.mamba2_fused, --seed 4; float16, backward):
+# the gradient of out_proj's weight was Inf at channels where the oracle's was finite (-8,932). Without the norm,
+# mamba_ssm's fused mixer gates inside the scan in float32, but its backward takes out_proj's weight gradient
+# from the gated output its dz kernel recomputes from the pre-gate output stored in float16, here 91,440 (the
+# gated value fits). mamba_ssm's own layer does the same. Minimal (below): one channel of out_proj's weight, the
+# gated output recomputed from an overflowed store; with the recompute the model overflows there too.
+OUTPROJ_RECOMPUTE_CASE = Case(entry="layer", seqlen=9, nheads=1, headdim=42, ngroups=1, dstate=23, chunk_size=1,
+                              dtype="float16", D="head", return_final_states=False, conv_width=1, rmsnorm=False,
+                              rmsnorm_eps=1e-5, d_model=1, bias=True, conv_bias=False,
+                              regime=Regime(decay="typical", dt_large=True, scale=4.0), pass_="backward", seed=3426)
+
+
+def test_out_projs_weight_gradient_reads_the_gated_output_recomputed_from_the_stored_pre_gate_output(device):
+    verdict = assert_within_budget("mamba_ssm.mamba2_mem_eff", OUTPROJ_RECOMPUTE_CASE, device)
+    assert verdict.tensor("grad.outproj_weight").out_of_range >= 1
+
+
+def test_a_linear_whose_weight_gradient_reads_the_recomputed_input(device):
+    """baseline._LinearReading: the value and x's gradient of x @ w^T; w's gradient from ``read`` (shared weight,
+    and one weight per row as a folded evaluation has)."""
+    g = torch.Generator().manual_seed(0)
+    drawn = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g).to(device)
+    x, read, up = drawn(2, 5, 7), drawn(2, 5, 7), drawn(2, 5, 3)
+    for w in (drawn(3, 7), drawn(2, 3, 7)):
+        x_, w_ = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = baseline._LinearReading.apply(x_, read, w_)
+        out.backward(up)
+        assert torch.allclose(out, torch.matmul(x, w.transpose(-1, -2)), rtol=1e-13, atol=1e-13)
+        assert torch.allclose(x_.grad, torch.matmul(up, w), rtol=1e-13, atol=1e-13)
+        d_w = torch.matmul(up.transpose(-1, -2), read)
+        assert torch.allclose(w_.grad, d_w.sum(0) if w.dim() == 2 else d_w, rtol=1e-13, atol=1e-13)
+
+
 # Found by a CPU fuzz of fla's Mamba2.torch_forward (0.6.0; float16, backward): the gradient of in_proj_weight was
 # 1.11x its budget at one element of 119 (-1.49e-6 for -1.85e-6), with a relative RMS error a quarter of the
 # baseline's. The gradient reaching zxbcdt, held in float16, was a few 1e-7: subnormal, where a rounding errs by up
