@@ -628,7 +628,8 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
     # Without the norm the scan gates in float32, and with an out_proj the fused backward (mamba_ssm's
     # MambaSplitConv1dScanCombinedFn, recompute_output) takes the weight's gradient from the gated output its dz
     # kernel recomputes from the pre-gate output the forward stored in the case dtype: recomputed here, gated here.
-    recompute = rms is None and "outproj_weight" in tensors and not (case.entry == "layer" and case.layer_steps)
+    recompute = (case.backward and rms is None and "outproj_weight" in tensors
+                 and not (case.entry == "layer" and case.layer_steps))
     y, final, stages = _mixer_scan(
         case, rounding, x.unflatten(-1, (h, p)), dt, tensors["A"], B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
         D=tensors["D"], z=None if rms is not None or recompute else zh, dt_bias=tensors["dt_bias"],
