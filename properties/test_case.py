@@ -92,11 +92,11 @@ def test_inputs_are_deterministic_and_rounded_once(device, case):
 
 
 def test_a_tensor_over_the_draw_block_is_drawn_blockwise_deterministically_and_without_repeats():
-    """x of just over _DRAW_BLOCK elements (1 x 1025 x 16 x 64) comes from one generator per block: the same
+    """x of just over _DRAW_BLOCK elements (1 x 257 x 16 x 64) comes from one generator per block: the same
     numbers every time, no block a copy of another, normal in the whole and in the last (partial) block."""
     from harness.inputs import _DRAW_BLOCK, draw
 
-    case = Case(seqlen=1025, nheads=16, headdim=64, dstate=2, chunk_size=64)
+    case = Case(seqlen=257, nheads=16, headdim=64, dstate=2, chunk_size=64)
     x = draw(case)[0]["x"].flatten()
     assert x.numel() > _DRAW_BLOCK
     assert torch.equal(x, draw(case)[0]["x"].flatten())
