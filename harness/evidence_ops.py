@@ -114,11 +114,11 @@ def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
     parts = ("inputs", "neighbours", "oracle", "baseline", "kernels", "verdict")
     print("| shape | " + " | ".join(parts) + " | total |")
     print("|---|" + "---|" * (len(parts) + 1))
-    for label, shape in shapes.items():
+    for shape in shapes.values():
         times = []
         for seed in range(seeds):
             case = Case(**shape, dtype=dtype, has_z=True, pass_="backward", seed=seed)
-            clock, took = time.perf_counter(), {}
+            took = {}
 
             def lap(name):
                 nonlocal clock
@@ -128,6 +128,7 @@ def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
 
             sync()
             clock = time.perf_counter()
+            # the steps of Examiner.evidence, then the side's run and its verdict
             inputs = materialize(case, device)
             lap("inputs")
             near = baseline.neighbours_of(inputs)
