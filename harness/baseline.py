@@ -565,6 +565,19 @@ def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT, folds:
     return F.silu(acc) if activation == "silu" else acc
 
 
+def _norm(y, z, weight, ngroups, eps, norm_before_gate, rounding: Rounding = EXACT):
+    """The gated RMSNorm as mamba_ssm's layer-norm kernels compute it in float32: the normalized value a rounding
+    point (`Rounding.keep`) on the way forward, and so is its gradient, dy * weight, on the way back, where the
+    backward kernel takes the component of dy * weight orthogonal to the normalized value (a difference of terms
+    that can be far larger than the result, each rounded in float32)."""
+    gate = F.silu(z)
+    v = y if norm_before_gate else y * gate
+    grouped = v.unflatten(-1, (ngroups, -1))
+    normalized = rounding.keep(grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps))
+    normed = normalized.flatten(-2) * weight
+    return normed * gate if norm_before_gate else normed
+
+
 def _swiglu(zx0, d_nonssm, rounding: Rounding = EXACT):
     """The SwiGLU branch as mamba_ssm's _swiglu_fwd_kernel computes it in float32 (k_activations.py:
     ``x * tl.sigmoid(x) * y``), each product a rounding point."""
@@ -645,7 +658,7 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
         # input in that dtype on the way back): both rounding points, which the norm's cancellation can amplify
         # (measured: one token, a 2-wide group, fp16: a gradient of D 0.55 off relative, in mamba's fused mixer,
         # its ref and ssdiff's kernel alike, bit for bit).
-        y = norm_vectorized(store(y), z, over_rows(rms, folds, b, lead=1), g, case.rmsnorm_eps, case.norm_before_gate)
+        y = _norm(store(y), z, over_rows(rms, folds, b, lead=1), g, case.rmsnorm_eps, case.norm_before_gate, rounding)
     if case.d_nonssm:
         swiglu = _swiglu(zx0, case.d_nonssm, rounding)
         y = torch.cat([swiglu, y], dim=-1)
