@@ -51,7 +51,6 @@ from harness import runtime, widen
 from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
-from harness.oracle.mixer import norm_vectorized
 from harness.oracle.result import STAGE_ORDER
 
 COMPUTE = torch.float32
