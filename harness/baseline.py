@@ -220,9 +220,8 @@ class _GateReadingStored(torch.autograd.Function):
 class _PassStates(torch.autograd.Function):
     """The state passing between chunks, ``state_k = keep(carry_k * state_k-1 + grad_store(chunk_states_k))``, as
     one function: the forward and the backward recurrences in float32 with the rounding points `Rounding.keep`
-    and `Rounding.grad_store` would put at every step, each step's random signs drawn for all the steps at once
-    (a loop of autograd nodes drew them step by step: about 70 operations a chunk, the most of a long case's
-    evidence; this is one fused multiply-add a chunk each way). Returns the state after each chunk, (b, c, ...)."""
+    and `Rounding.grad_store` would put at every step, each step's random signs drawn for all the steps at once:
+    one fused multiply-add a chunk each way. Returns the state after each chunk, (b, c, ...)."""
 
     @staticmethod
     def forward(ctx, chunk_states, carry, initial, store_precision, gen):

@@ -36,10 +36,9 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 _DT_CENTER = {"none": -3.0, "mild": -3.0, "typical": -3.0, "strong": 0.5}
 _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "strong": (30.0, 60.0)}
 # A tensor of more elements is drawn in blocks of this many, each from its own generator seeded from the case's,
-# on up to 8 threads: one generator is sequential, and a production-shape case (millions of elements a tensor)
-# took longer to draw than to judge (with blocks of 2**20, a 2-million-element x kept two threads busy and the
-# inputs were 0.15 s of a warm 0.22 s production case on an H200). Smaller tensors (every case a CPU campaign
-# draws) come from the case's generator itself.
+# on up to 8 threads: one generator is sequential, and at production shapes (millions of elements a tensor)
+# drawing is most of a warm case's time on a GPU; blocks this size keep 8 threads busy on a 2-million-element
+# tensor. Smaller tensors (every case a CPU campaign draws) come from the case's generator itself.
 _DRAW_BLOCK = 2 ** 18
 
 CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")

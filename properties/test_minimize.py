@@ -97,8 +97,9 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
 
 def test_replay_of_a_case_a_side_does_not_take_names_what(tmp_path, device, capsys):
     from harness.impls import get
-    if get("mamba_ssm.split_conv1d_ref").unavailable():
-        pytest.skip(get("mamba_ssm.split_conv1d_ref").unavailable())
+    why = get("mamba_ssm.split_conv1d_ref").unavailable()
+    if why:
+        pytest.skip(why)
     case = tmp_path / "case.json"
     case.write_text(Case(entry="split_conv1d", seqlen=8, headdim=4, dstate=4, chunk_size=4, d_nonssm=2,
                          return_final_states=False, seed=1).to_json())

@@ -123,8 +123,8 @@ def scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplu
 
 class _CarryStates(torch.autograd.Function):
     """The states between chunks, S_0 = initial, S_{k+1} = keep_k S_k + chunk_states_k, as one autograd function:
-    (b, c + 1, g, r, p, n). One fused multiply-add a chunk each way (as autograd nodes a loop over chunks took
-    about 24 operations a chunk, the most of a long case's oracle). Backward: with G_k the gradient reaching S_k
+    (b, c + 1, g, r, p, n): one fused multiply-add a chunk each way, where a loop of autograd nodes would make the
+    chunks most of a long case's operations. Backward: with G_k the gradient reaching S_k
     directly, the whole gradient of S_k is T_c = G_c, T_k = G_k + keep_k T_{k+1}; chunk_states_k gets T_{k+1},
     keep_k gets sum over (p, n) of T_{k+1} S_k, the initial state T_0."""
 
