@@ -21,8 +21,9 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
   dtype between steps), as a selective-state-update kernel computes it. With ``bug=`` one planted mistake:
     "no_decay"      the state is not decayed before the update (state + dt B x instead of exp(dt A) state + ...);
     "group_heads"   each head reads B and C from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``.
-- `Misbehaving`: calls os.abort(), sleeps forever, or raises — optionally only when ngroups > 1 — to test that
-  crash / hang / error become verdicts under --isolate and the run goes on.
+- `Misbehaving`: calls os.abort(), sleeps forever, raises, or runs out of device memory — optionally only when
+  ngroups > 1 — to test that crash / hang / error become verdicts under --isolate and the run goes on, and
+  that running out of memory is no verdict (the case is skipped and counted).
 - `ConfigBug` / `TilingBug`: the toy kernel through an autotuned Triton kernel that is wrong in one config
   always (`config_bug`), or only where headdim crosses that config's block size of 32 (`tiling_bug`).
 - `chunked_prefill_without_state`: vLLM's real prefill kernel driven by a chunked-prefill runner that forgets
@@ -139,6 +140,10 @@ class _Float32Implementation(Implementation):
         return result
 
 
+# The scan's inputs whose first axis is the batch row.
+_BATCH_LEADING = ("x", "dt", "B", "C", "z", "initial_states")
+
+
 class ToyKernel(_Float32Implementation):
     def __init__(self, bug=None):
         if bug not in BUGS:
@@ -150,11 +155,19 @@ class ToyKernel(_Float32Implementation):
                                          unsupported=frozenset({"varlen_states"}), stages=STAGES)
 
     def compute(self, case, t, inputs):
-        y, final, stages = toy_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=case.chunk_size,
-                                    D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"),
-                                    dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
-                                    initial_states=None if self.bug == "drop_initial_states" else
-                                    t.get("initial_states"), seq_idx=inputs.seq_idx, bug=self.bug)
+        # Each batch row on its own, as a kernel's programs compute it, so that the double is batch-invariant bit
+        # for bit on every device (torch's batched products on a GPU choose their algorithm by the batch size).
+        rows = []
+        for r in range(t["x"].shape[0]):
+            row = {k: (v[r:r + 1] if k in _BATCH_LEADING and v is not None else v) for k, v in t.items()}
+            rows.append(toy_scan(row["x"], row["dt"], row["A"], row["B"], row["C"], chunk_size=case.chunk_size,
+                                 D=row.get("D"), z=row.get("z"), dt_bias=row.get("dt_bias"),
+                                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
+                                 initial_states=None if self.bug == "drop_initial_states" else
+                                 row.get("initial_states"),
+                                 seq_idx=None if inputs.seq_idx is None else inputs.seq_idx[r:r + 1], bug=self.bug))
+        y, final = (torch.cat([row[i] for row in rows]) for i in (0, 1))
+        stages = {name: torch.cat([row[2][name] for row in rows]) for name in rows[0][2]}
         if self.bug == "row_leak" and y.shape[0] > 1:
             y = torch.cat([y[:1], y[1:] + 2.0 ** -10 * y[:1]])
         outputs = {"y": y}
@@ -297,12 +310,13 @@ class StepKernel(_Float32Implementation):
         return outputs, {}
 
 
-MISBEHAVIOURS = ("abort", "hang", "raise")
+MISBEHAVIOURS = ("abort", "hang", "raise", "oom")
 
 
 class Misbehaving(Implementation):
-    """Aborts the process, sleeps forever, or raises — always, or only when ngroups > 1 (otherwise it is the
-    healthy toy kernel)."""
+    """Aborts the process, sleeps forever, raises, or runs out of device memory (torch's OutOfMemoryError, as
+    an allocation past what is free raises it) — always, or only when ngroups > 1 (otherwise it is the healthy
+    toy kernel)."""
 
     def __init__(self, how: str, only_with_groups: bool = False):
         if how not in MISBEHAVIOURS:
@@ -310,7 +324,8 @@ class Misbehaving(Implementation):
         self.how = how
         self.only_with_groups = only_with_groups
         self.name = f"double.{how}{'_with_groups' if only_with_groups else ''}"
-        self.description = f"test double that {'aborts' if how == 'abort' else 'hangs' if how == 'hang' else 'raises'}"
+        self.description = "test double that " + {"abort": "aborts", "hang": "hangs", "raise": "raises",
+                                                  "oom": "runs out of device memory"}[how]
         self.capabilities = Capabilities(unsupported=frozenset({"varlen_states"}))
         self._healthy = ToyKernel()
 
@@ -321,6 +336,8 @@ class Misbehaving(Implementation):
             if self.how == "hang":
                 while True:
                     time.sleep(3600)
+            if self.how == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted)")
             raise RuntimeError("planted failure: this implementation always raises")
         return self._healthy.run(case, inputs, want_stages)
 
@@ -346,6 +363,7 @@ aborts = Misbehaving("abort")
 hangs = Misbehaving("hang")
 raises = Misbehaving("raise")
 aborts_with_groups = Misbehaving("abort", only_with_groups=True)
+out_of_memory_with_groups = Misbehaving("oom", only_with_groups=True)
 
 
 # ---- a bug that lives in one autotune config -----------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from harness import baseline, oracle, widen
+from harness import baseline, oracle, runtime, widen
 from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.inputs import Inputs, materialize
@@ -203,7 +203,7 @@ class Examiner:
         """Run every side (or ``sides``) on ``case`` under autotune ``choice`` and judge each against the oracle;
         with ``stages``, the stage intermediates too."""
         start = time.perf_counter()
-        ev = self.evidence(case)
+        ev = runtime.retry_on_oom(lambda: self.evidence(case), "ssdiff's evidence (inputs, oracle, baseline)")
         sides = list(sides or self.sides)
         verdicts, outputs, launches = {}, {}, {}
         for spec in sides:
@@ -213,6 +213,7 @@ class Examiner:
                     del outputs[spec]
                 continue
             run = self.runner.run(spec, case, ev.inputs, stages, choice)
+            _raise_if_oom(run)
             launches[spec] = run.launches
             if run.status != "ok":
                 verdicts[spec] = failed_run(spec, run.status, run.detail, run.seconds)
@@ -231,6 +232,7 @@ class Examiner:
         worst_v, worst_o, worst_l, index, needed = None, None, [], 0, 1
         while index < needed:
             run = self.runner.run(spec, case, ev.inputs, stages, index)
+            _raise_if_oom(run)
             if run.status != "ok":
                 return (failed_run(spec, run.status, f"(autotune config index {index}) {run.detail}", run.seconds),
                         None, run.launches)
@@ -253,6 +255,12 @@ class Examiner:
             return None
         found = localize.stages(staged)
         return found["first"] if not found.get("inferred") else None
+
+
+def _raise_if_oom(run) -> None:
+    """A side that found no device memory, twice, leaves the case unjudged (`runtime.DeviceOutOfMemory`)."""
+    if run.status == "oom":
+        raise runtime.DeviceOutOfMemory(run.detail)
 
 
 __all__ = ["Examiner", "UsageError", "Evidence", "Outcome", "same_divergence", "failing_tensors", "EVIDENCE_BYTES"]

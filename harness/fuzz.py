@@ -450,6 +450,13 @@ class Fuzzer:
             return False
         try:
             outcome = self.examiner.examine(fitted, choice)
+        except runtime.DeviceOutOfMemory as err:
+            # the machine's limit (other processes on the device, a case too large for what is free): the case
+            # is not judged, and the summary counts it under what ran out
+            reason = str(err).split(":", 1)[0]
+            self.report.skipped += 1
+            self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
+            return False
         except Exception as err:
             # The harness itself (oracle, baseline, judge) failed on this case: a bug of ours, recorded
             # with the case so it can be replayed, and the search goes on.

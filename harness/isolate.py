@@ -34,7 +34,7 @@ STARTUP_TIMEOUT = 300.0
 @dataclass
 class RunResult:
     """status: "ok" (``outputs`` holds the results), "error", "crash" or "hang" (``detail`` says what
-    happened). launches: the autotuned launches (kernel, config index, count) the run made."""
+    happened), or "oom": the device had no memory for the run, twice (not a verdict: `runtime.retry_on_oom`). launches: the autotuned launches (kernel, config index, count) the run made."""
 
     status: str
     outputs: Optional[object] = None
@@ -77,8 +77,10 @@ def _run_here(impl, case: Case, inputs, want_stages: bool, choice) -> RunResult:
     start = time.perf_counter()
     try:
         with runtime.autotune(choice):
-            out = impl.run(case, inputs, want_stages)
+            out = runtime.retry_on_oom(lambda: impl.run(case, inputs, want_stages), impl.name)
             launches = [(l.kernel, l.index, l.nconfigs, l.config) for l in runtime.launches()]
+    except runtime.DeviceOutOfMemory as err:        # the machine's limit, not the implementation's verdict
+        return RunResult("oom", detail=str(err), seconds=time.perf_counter() - start)
     except Exception as err:            # the implementation raised: a verdict, not our crash
         return RunResult("error", detail=short_error(err), seconds=time.perf_counter() - start)
     if inputs.device.type == "cuda":

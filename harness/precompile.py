@@ -58,6 +58,11 @@ def _compile_case(spec: str, case_json: str, choice, device: str) -> tuple:
         return time.perf_counter() - start, ""
     except Exception as err:                      # a compile or launch failure: the campaign judges it itself
         return time.perf_counter() - start, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    finally:
+        # a worker keeps nothing between jobs: what its allocator cached for a production-size case would
+        # otherwise stay taken from the campaign's process on the same device (fifteen workers can hold most of
+        # an H200's memory between them)
+        runtime.release_memory()
 
 
 def default_workers() -> int:

@@ -10,7 +10,10 @@ conftest.py and the upstream loader do; it is idempotent) and then asks this mod
   benchmarking on a GPU; the interpreter cannot benchmark, so there it is the first listed config), an
   integer index (config ``i % n`` of every kernel with ``n`` configs), and `sweep(fn)` runs ``fn`` once per
   index until every config of every kernel has run (some real bugs live in only one config);
-- `launches()`: which config each kernel launched with during the last `autotune` block.
+- `launches()`: which config each kernel launched with during the last `autotune` block;
+- `out_of_memory(err)`, `release_memory()`, `retry_on_oom(fn, where)`: a device that ran out of memory is a fact
+  about the machine, not a verdict: the cached blocks are handed back and the step tried once more, then
+  `DeviceOutOfMemory` says where it ran out (a campaign skips the case and counts it).
 
 Interpreter patches (SPEC.md section 4), installed by `configure()` only under the interpreter:
 1. ``torch.cuda.device(None | cpu device)`` is a no-op (kernels wrap launches in it);
@@ -125,6 +128,43 @@ def fp32_dot() -> str:
     if interpreted():
         return "ieee"
     return "ieee" if os.environ.get("TRITON_F32_DEFAULT", "").lower() == "ieee" else "tf32"
+
+
+# ---- device memory ---------------------------------------------------------------------------------------
+
+class DeviceOutOfMemory(RuntimeError):
+    """A case needed more device memory than was free, twice (`retry_on_oom`): not a verdict on any side."""
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is the device running out of memory (torch's OutOfMemoryError, or a kernel library's
+    error that says so)."""
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(err, (oom, DeviceOutOfMemory)) or "out of memory" in str(err).lower()
+
+
+def release_memory() -> None:
+    """Hand the caching allocator's free blocks back to the device (other processes on it can use them)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def retry_on_oom(fn: Callable[[], object], where: str):
+    """``fn()``; where it runs out of device memory, `release_memory` and once more; out again:
+    `DeviceOutOfMemory` naming ``where`` and the allocator's message."""
+    for attempt in (0, 1):
+        try:
+            return fn()
+        except Exception as err:
+            if not out_of_memory(err):
+                raise
+            release_memory()
+            if attempt:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise DeviceOutOfMemory(f"out of device memory in {where}: {first[:300]}") from err
 
 
 # ---- SM count the interpreter reports --------------------------------------------------------------------

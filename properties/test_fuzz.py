@@ -258,6 +258,17 @@ def test_the_run_goes_on_after_a_crash(tmp_path, device):
     assert report.worst, "cases after the crash were judged"
 
 
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_side_out_of_device_memory_is_skipped_and_counted_not_judged(isolate, tmp_path, device):
+    spec = "harness.doubles:out_of_memory_with_groups"
+    report = fuzz(spec, tmp_path, device, max_examples=12, isolate=isolate, timeout=60.0, keep_going=True,
+                  localize=False, pass_="forward", dtypes=("float32",), seed=2)
+    reason = "out of device memory in double.oom_with_groups"
+    assert report.exit_code == 0 and not report.findings, [f.outcome.case for f in report.findings]
+    assert report.skip_reasons.get(reason, 0) >= 1 and report.skipped >= report.skip_reasons[reason], report.skip_reasons
+    assert report.tried + report.skipped == 12 and report.tried and report.worst, "the cases without groups were judged"
+
+
 # ---- the command line ------------------------------------------------------------------------------------
 
 def test_cli_exit_status_and_output(tmp_path, monkeypatch, capsys, device):

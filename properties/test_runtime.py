@@ -81,3 +81,27 @@ def test_no_property_materializes_inputs_on_a_named_device():
     found = [f"{path.name}:{number}: {line.strip()}" for path in sorted(Path(__file__).parent.glob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_running_out_of_device_memory_is_retried_once_then_named():
+    calls = []
+
+    def once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "ran"
+
+    assert runtime.retry_on_oom(once, "the side") == "ran" and len(calls) == 2
+
+    def always():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(runtime.DeviceOutOfMemory, match="out of device memory in the side: CUDA out of memory"):
+        runtime.retry_on_oom(always, "the side")
+
+    def wrong():
+        raise ValueError("a bug, not the machine")
+
+    with pytest.raises(ValueError, match="a bug"):
+        runtime.retry_on_oom(wrong, "the side")
