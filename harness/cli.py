@@ -277,6 +277,12 @@ def cmd_fuzz(args) -> int:
     worst = ", ".join(f"{d} {w['ratio']:.3g}x ({w['tensor']}, {w['side']})" for d, w in sorted(report.worst.items()))
     console.print(f"{report.tried} cases judged, {report.skipped} skipped; stopped: {report.stopped}; "
                   f"largest ratio to budget: {worst or 'none'}", highlight=False, soft_wrap=True)
+    memory = {why: n for why, n in report.skip_reasons.items() if why.startswith("out of device memory")}
+    if memory:
+        err_console.print(f"[yellow]{sum(memory.values())} case(s) not judged for want of device memory ("
+                          + "; ".join(f"{why}: {n}" for why, n in memory.items())
+                          + "): other processes on the device, or cases too large for it[/]",
+                          highlight=False, soft_wrap=True)
     if report.harness_errors:
         err_console.print(f"[yellow]{len(report.harness_errors)} case(s) failed inside ssdiff itself (not the "
                           f"implementation); the first: {report.harness_errors[0]['error']} (cases in summary.json)[/]",

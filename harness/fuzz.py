@@ -454,6 +454,7 @@ class Fuzzer:
             # the machine's limit (other processes on the device, a case too large for what is free): the case
             # is not judged, and the summary counts it under what ran out
             reason = str(err).split(":", 1)[0]
+            runtime.release_memory()
             self.report.skipped += 1
             self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
             return False

@@ -34,7 +34,8 @@ STARTUP_TIMEOUT = 300.0
 @dataclass
 class RunResult:
     """status: "ok" (``outputs`` holds the results), "error", "crash" or "hang" (``detail`` says what
-    happened), or "oom": the device had no memory for the run, twice (not a verdict: `runtime.retry_on_oom`). launches: the autotuned launches (kernel, config index, count) the run made."""
+    happened), or "oom": the device had no memory for the run, twice (not a verdict: `runtime.retry_on_oom`).
+    launches: the autotuned launches (kernel, config index, count) the run made."""
 
     status: str
     outputs: Optional[object] = None

@@ -6,8 +6,11 @@ over a hundred variants — every config of every kernel. `Compiler` runs each c
 (harness/pool.py, `CompileKey.case`) in worker processes, one job per autotune config index the campaign's
 policy will launch ("tuned" benchmarks them all), so the variants land in Triton's on-disk cache
 (TRITON_CACHE_DIR, ~/.triton/cache) and the campaign's own process loads them instead of compiling; under
-"tuned" one more job per case benchmarks the configs, so that the autotune results are on disk too. A job
-that fails is reported and otherwise ignored: the campaign's own run of that case is what is judged.
+"tuned" one more job per case benchmarks the configs of a side with autotuned kernels, so that the autotune
+results are on disk too. Each side gets the config indices of its own autotuned kernels (a reference that
+launches one untuned norm kernel: one job). A job that fails is reported and otherwise ignored: the campaign's
+own run of that case is what is judged. A job done is recorded beside the cache and not queued again on it
+(`Compiler`): a campaign on a warm cache starts judging at once.
 Workers are spawned processes: a script that runs a campaign at import time needs the usual
 ``if __name__ == "__main__":`` guard (the CLI and pytest have it).
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Optional
@@ -75,13 +79,58 @@ def default_workers() -> int:
     return max(1, min(16, ((os.cpu_count() or 2) - 1) // share))
 
 
+RECORD_FILE = "ssdiff-compiled-ahead.txt"
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels (and, with TRITON_CACHE_AUTOTUNING, autotune results)."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _modules_stamp(impl) -> str:
+    """What a side's kernels are compiled from: its kernel modules' files (a new release changes them)."""
+    parts = []
+    for module in impl.kernel_modules():
+        path = getattr(module, "__file__", None) or module.__name__
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}:{st.st_size}:{int(st.st_mtime)}")
+        except OSError:
+            parts.append(path)
+    return "|".join(sorted(parts))
+
+
 class Compiler:
-    """A pool of worker processes compiling representative cases ahead (see the module docstring)."""
+    """A pool of worker processes compiling representative cases ahead (see the module docstring).
+
+    A job done is recorded in the Triton cache directory (RECORD_FILE: a hash of the side, the case, the config
+    index, the device, torch's and Triton's versions and the side's kernel files), and a job recorded there is
+    not queued again: a campaign on a warm cache loads every variant itself, and the workers' runs of the same
+    cases would only take the device from it. A variant evicted from the cache since is compiled by the
+    campaign's own process when it first needs it."""
 
     def __init__(self, sides: dict, device: str, autotune, workers: Optional[int] = None):
         self.sides, self.device = sides, device
-        self.indices = config_indices(sides.values(), autotune)
-        self.tune = autotune == "tuned"
+        self.record = os.path.join(triton_cache_dir(), RECORD_FILE)
+        try:
+            with open(self.record, encoding="utf-8") as f:
+                self.done = set(f.read().split())
+        except OSError:
+            self.done = set()
+        self._record_lock = threading.Lock()
+        self._keys: dict = {}           # job -> its record key
+        self._stamps = {spec: _modules_stamp(impl) for spec, impl in sides.items()}
+        import torch
+        import triton
+
+        name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else str(device)
+        from harness import runtime
+
+        self._where = f"{name} torch {torch.__version__} triton {triton.__version__} fp32 dot {runtime.fp32_dot()}"
+        # per side: a side whose kernels are not autotuned (a reference's one norm kernel) compiles them in one job
+        self.indices = {spec: config_indices([impl], autotune) for spec, impl in sides.items()}
+        self.tuned = {spec for spec, impl in sides.items() if autotune == "tuned"
+                      and tiling.autotuned(impl.kernel_modules())}
         self.workers = workers or default_workers()
         self._executor = None
         self.futures: list = []
@@ -97,16 +146,46 @@ class Compiler:
             for spec, impl in self.sides.items():
                 if not impl.kernel_modules():
                     continue
-                jobs = [self._executor.submit(_compile_case, spec, case.to_json(), index, self.device)
-                        for index in self.indices]
+                jobs = [job for index in self.indices[spec] if (job := self._submit(spec, case, index))]
                 self._jobs.setdefault(case.to_json(), []).extend(jobs)
                 queued += jobs
-                if self.tune:
+                if spec in self.tuned:
                     # last: by the time a worker takes it most configs are on disk, and its benchmark results
                     # go there too (TRITON_CACHE_AUTOTUNING), so the campaign loads them instead of tuning
-                    queued.append(self._executor.submit(_compile_case, spec, case.to_json(), "tuned", self.device))
+                    queued += filter(None, [self._submit(spec, case, "tuned")])
         self.futures += queued
         return queued
+
+    def _key(self, spec: str, case, choice) -> str:
+        import hashlib
+
+        text = "\n".join([spec, case.to_json(), str(choice), self._where, self._stamps[spec]])
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def _submit(self, spec: str, case, choice):
+        """Queue one job, or None where the record says it was done on this cache."""
+        key = self._key(spec, case, choice)
+        if key in self.done:
+            return None
+        job = self._executor.submit(_compile_case, spec, case.to_json(), choice, self.device)
+        self._keys[job] = key
+        job.add_done_callback(lambda f, key=key: self._note_done(f, key))
+        return job
+
+    def _note_done(self, job, key: str) -> None:
+        """Record a job that compiled without error (once; from its done callback, or from `close`)."""
+        if not job.done() or job.cancelled() or job.exception() is not None or job.result()[1]:
+            return
+        with self._record_lock:
+            if key in self.done:
+                return
+            self.done.add(key)
+            try:
+                os.makedirs(os.path.dirname(self.record), exist_ok=True)
+                with open(self.record, "a", encoding="utf-8") as f:
+                    f.write(key + "\n")
+            except OSError:
+                pass                    # a cache directory we may not write: the jobs just run again next time
 
     def wait(self, case, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``case``'s per-config jobs; True when none is left running."""
@@ -124,7 +203,10 @@ class Compiler:
         return sum(f.done() for f in self.futures), len(self.futures)
 
     def close(self) -> None:
-        """Cancel what is queued and stop the workers (a compile in flight is abandoned)."""
+        """Cancel what is queued and stop the workers (a compile in flight is abandoned). The jobs done are in
+        the record by then (a done callback may run after its waiter has woken)."""
+        for job, key in self._keys.items():
+            self._note_done(job, key)
         if self._executor is not None:
             processes = list(getattr(self._executor, "_processes", {}).values())
             self._executor.shutdown(wait=False, cancel_futures=True)

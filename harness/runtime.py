@@ -161,10 +161,11 @@ def retry_on_oom(fn: Callable[[], object], where: str):
         except Exception as err:
             if not out_of_memory(err):
                 raise
-            release_memory()
             if attempt:
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise DeviceOutOfMemory(f"out of device memory in {where}: {first[:300]}") from err
+                raise DeviceOutOfMemory(f"out of device memory in {where}: {first[:300]}") from None
+        # out of the handler: the error's frames, and the tensors they held, are gone before the cache is emptied
+        release_memory()
 
 
 # ---- SM count the interpreter reports --------------------------------------------------------------------

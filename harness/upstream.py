@@ -273,7 +273,11 @@ def _load_fla() -> FlaRelease:
         with warnings.catch_warnings():
             # fla warns that Triton "is not supported on current platform" on a CPU: the interpreter is.
             warnings.simplefilter("ignore")
-            import fla
+            # fla's package __init__ (and fla.ops's) imports every layer and op: 10 s of a CPU campaign's start,
+            # most of the 24 s an H200 campaign of simple_gla took to set up. The simple_gla ops load without
+            # them (a layer that imports fla.layers later still can).
+            fla = package_without_init("fla")
+            package_without_init("fla.ops")
             simple_gla = importlib.import_module("fla.ops.simple_gla")
             naive = importlib.import_module("fla.ops.simple_gla.naive")
     except Exception as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -267,6 +268,15 @@ def test_a_side_out_of_device_memory_is_skipped_and_counted_not_judged(isolate, 
     assert report.exit_code == 0 and not report.findings, [f.outcome.case for f in report.findings]
     assert report.skip_reasons.get(reason, 0) >= 1 and report.skipped >= report.skip_reasons[reason], report.skip_reasons
     assert report.tried + report.skipped == 12 and report.tried and report.worst, "the cases without groups were judged"
+
+
+def test_the_command_line_says_how_many_cases_went_unjudged_for_want_of_device_memory(tmp_path, capsys, device):
+    assert main(["fuzz", "--impl", "harness.doubles:out_of_memory_with_groups", "--max-examples", "12", "--seed",
+                 "2", "--pass", "forward", "--dtype", "float32", "--keep-going", "--no-localize", "--device", device,
+                 "--out", str(tmp_path / "run"), "--no-report"]) == 0
+    said = capsys.readouterr().err
+    assert re.search(r"\d+ case\(s\) not judged for want of device memory \(out of device memory in "
+                     r"double.oom_with_groups: \d+\)", said), said
 
 
 # ---- the command line ------------------------------------------------------------------------------------

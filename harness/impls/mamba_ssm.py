@@ -337,6 +337,11 @@ class SplitConv1dRef(MambaImplementation):
                              unsupported=NEEDS_SEQ_IDX | {"initial_states", "final_states", "final_state_grad",
                                                           "d_nonssm"})
 
+    def kernel_modules(self) -> tuple:
+        # the one Triton kernel family its call launches is the gated RMSNorm's (not autotuned): the conv and the
+        # scan are causal_conv1d and selective_scan (compiled extensions, or their torch stand-ins)
+        return tuple(m for m in super().kernel_modules() if m.__name__.endswith(".layernorm_gated"))
+
     def forward(self, case, tensors, inputs, want_stages):
         module = self.release.ssd_combined
         fn = module.mamba_split_conv1d_scan_ref

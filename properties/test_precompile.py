@@ -1,0 +1,48 @@
+"""What the compile-ahead workers are given (harness/precompile.py): one job per autotune config index of each
+side's own autotuned kernels, and a benchmarking job only for a side that has some. The jobs themselves run
+natively only (under the interpreter nothing compiles); what is queued is decided the same everywhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import tiling
+from harness.impls import get
+from harness.precompile import Compiler
+
+COMBINED, REF = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
+
+
+def test_each_side_gets_the_config_indices_of_its_own_autotuned_kernels(device):
+    combined, ref = get(COMBINED), get(REF)
+    for impl in (combined, ref):
+        if impl.unavailable():
+            pytest.skip(f"{impl.name}: {impl.unavailable()}")
+    most = max(len(t.configs) for _, t in tiling.autotuned(combined.kernel_modules()))
+    compiler = Compiler({COMBINED: combined, REF: ref}, device, "tuned", workers=1)
+    # the reference launches one Triton kernel family, the gated RMSNorm's, which is not autotuned: one job
+    assert [m.__name__.rsplit(".", 1)[-1] for m in ref.kernel_modules()] == ["layernorm_gated"]
+    assert list(compiler.indices[REF]) == [0] and list(compiler.indices[COMBINED]) == list(range(most)) and most > 1
+    assert compiler.tuned == {COMBINED}
+    assert list(Compiler({COMBINED: combined}, device, 2, workers=1).indices[COMBINED]) == [2]
+
+
+def test_a_job_done_on_this_cache_is_not_queued_again(tmp_path, monkeypatch, device):
+    from harness.case import Case
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    side = "ssdiff.triton"
+    case = Case(batch=1, seqlen=4, nheads=1, headdim=2, dstate=2, chunk_size=4, seed=1)
+    compiler = Compiler({side: get(side)}, device, 0, workers=1)
+    try:
+        jobs = compiler.submit([case])
+        assert len(jobs) == 1 and compiler.wait(case, 500) and jobs[0].result()[1] == "", jobs[0].result()
+    finally:
+        compiler.close()
+    again = Compiler({side: get(side)}, device, 0, workers=1)
+    try:
+        assert again.submit([case]) == [] and again.wait(case, 0)      # recorded: nothing to run, nothing to wait for
+        assert len(again.submit([case.replace(seqlen=5)])) == 1         # another case is another job
+    finally:
+        again.close()
+    assert len((tmp_path / "triton" / "ssdiff-compiled-ahead.txt").read_text().split()) == 1
