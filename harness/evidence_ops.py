@@ -15,8 +15,8 @@ Columns, per case: the evidence (materialize, oracle, baseline samples: `Examine
 one side (`verdict.judge`), as operations and as scalar reads. ``--by-chunks``: one chunk_scan case per count of
 chunks (b=1 h=2 p=16 n=128, chunk 64), the evidence's operations by part: what grows with a long sequence (the
 production shapes' 8 to 256 chunks). ``--phases``: seconds, not counts, of each part of examining a warm case
-(the device synchronized after each part), for a small shape and a production one (PHASE_SHAPES), the mean of
-the seeds after a first, compiling one.
+(`Examiner`'s own timing, harness/examine.py PHASES: the device synchronized after each part), for a small
+shape and a production one (PHASE_SHAPES), the mean of the seeds after a first, compiling one.
 """
 
 from __future__ import annotations
@@ -99,57 +99,27 @@ PHASE_SHAPES_INTERPRETED = {"small": dict(batch=1, seqlen=16, nheads=2, headdim=
 
 
 def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
-    import time
-
-    import torch
-
-    from harness import baseline, runtime, verdict, widen
+    from harness import runtime
     from harness.case import Case
-    from harness.examine import Examiner
-    from harness.inputs import materialize
+    from harness.examine import PHASES, Examiner
 
-    examiner = Examiner([impl], device)
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     shapes = PHASE_SHAPES_INTERPRETED if runtime.interpreted() else PHASE_SHAPES
-    parts = ("inputs", "neighbours", "oracle", "baseline", "kernels", "verdict")
-    print("| shape | " + " | ".join(parts) + " | total |")
-    print("|---|" + "---|" * (len(parts) + 1))
-    for shape in shapes.values():
-        times = []
-        for seed in range(seeds):
-            case = Case(**shape, dtype=dtype, has_z=True, pass_="backward", seed=seed)
-            took = {}
-
-            def lap(name):
-                nonlocal clock
-                sync()
-                now = time.perf_counter()
-                took[name], clock = now - clock, now
-
-            sync()
-            clock = time.perf_counter()
-            # the steps of Examiner.evidence, then the side's run and its verdict
-            inputs = materialize(case, device)
-            lap("inputs")
-            near = baseline.neighbours_of(inputs)
-            lap("neighbours")
-            truth, *at_near = widen.evaluate(examiner.oracle_at, case, [inputs, *near])
-            lap("oracle")
-            samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
-            lap("baseline")
-            run = examiner.runner.run(impl, case, inputs, False, "tuned")
-            lap("kernels")
-            if run.status != "ok":
-                raise SystemExit(f"{impl} failed on {case.describe()}: {run.detail}")
-            verdict.judge(impl, case, inputs, run.outputs, truth, samples)
-            lap("verdict")
-            times.append(took)
-        warm = times[1:] or times                      # the first seed compiles
-        mean = {k: sum(t[k] for t in warm) / len(warm) for k in parts}
-        described = Case(**shape, dtype=dtype, has_z=True, pass_="backward").describe().split(" | seed")[0].replace(
-            " | ", ", ")
-        print(f"| {described} | " + " | ".join(f"{mean[k]:.3f} s" for k in parts)
-              + f" | {sum(mean.values()):.3f} s |")
+    print("| shape | " + " | ".join(PHASES) + " | total |")
+    print("|---|" + "---|" * (len(PHASES) + 1))
+    with Examiner([impl], device) as examiner:
+        for shape in shapes.values():
+            times = []
+            for seed in range(seeds):
+                outcome = examiner.examine(Case(**shape, dtype=dtype, has_z=True, pass_="backward", seed=seed))
+                if outcome.verdicts[impl].status in ("error", "crash", "hang"):
+                    raise SystemExit(f"{impl} failed on {outcome.case.describe()}: {outcome.verdicts[impl].detail}")
+                times.append(outcome.phases)
+            warm = times[1:] or times                      # the first seed compiles
+            mean = {k: sum(t[k] for t in warm) / len(warm) for k in PHASES}
+            described = Case(**shape, dtype=dtype, has_z=True, pass_="backward").describe().split(" | seed")[0] \
+                .replace(" | ", ", ")
+            print(f"| {described} | " + " | ".join(f"{mean[k]:.3f} s" for k in PHASES)
+                  + f" | {sum(mean.values()):.3f} s |")
     return 0
 
 

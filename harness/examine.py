@@ -32,6 +32,9 @@ from harness.isolate import InProcessRunner, IsolatedRunner, resolve
 from harness.verdict import FACTOR, RUN_FAILURES, disagreement, failed_run, judge, severity
 
 EVIDENCE_BYTES = 1 << 30
+# The parts of an examination, each timed to a device synchronization at its end (a GPU runs asynchronously:
+# unsynchronized, an operation's time lands in whichever later step waits for it).
+PHASES = ("inputs", "oracle", "baseline", "kernels", "verdict")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class Outcome:
     evidence: Evidence
     pair: dict = field(default_factory=dict)
     seconds: float = 0.0
+    # where ``seconds`` went (PHASES; the evidence's parts are 0 where it was kept from an earlier examination)
+    phases: dict = field(default_factory=dict)
 
     @property
     def inputs(self) -> Inputs:
@@ -142,6 +147,14 @@ class Examiner:
         self.baseline_evaluations = 0
         self._evidence: OrderedDict = OrderedDict()
         self._sizes: dict = {}
+        self._phases: dict = {}
+        self._cuda = torch.device(device).type == "cuda"
+
+    def _synchronized(self) -> float:
+        """The time once the device has done what was launched (`PHASES`)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def __enter__(self) -> "Examiner":
         return self
@@ -164,13 +177,18 @@ class Examiner:
         if found is not None:
             self._evidence.move_to_end(case)
             return found
+        start = time.perf_counter()
         inputs = materialize(case, self.device)
+        after_inputs = self._synchronized()
         self.oracle_evaluations += 1
         # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
         near = baseline.neighbours_of(inputs)
         truth, *at_near = widen.evaluate(self.oracle_at, case, [inputs, *near])
+        after_oracle = self._synchronized()
         self.baseline_evaluations += 1
         samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
+        self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
+                            baseline=self._synchronized() - after_oracle)
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found
@@ -203,6 +221,7 @@ class Examiner:
         """Run every side (or ``sides``) on ``case`` under autotune ``choice`` and judge each against the oracle;
         with ``stages``, the stage intermediates too."""
         start = time.perf_counter()
+        self._phases = dict.fromkeys(PHASES, 0.0)
         ev = runtime.retry_on_oom(lambda: self.evidence(case), "ssdiff's evidence (inputs, oracle, baseline)")
         sides = list(sides or self.sides)
         verdicts, outputs, launches = {}, {}, {}
@@ -214,18 +233,24 @@ class Examiner:
                 continue
             run = self.runner.run(spec, case, ev.inputs, stages, choice)
             _raise_if_oom(run)
+            self._phases["kernels"] += run.seconds
             launches[spec] = run.launches
             if run.status != "ok":
                 verdicts[spec] = failed_run(spec, run.status, run.detail, run.seconds)
                 continue
             outputs[spec] = run.outputs
+            judged = time.perf_counter()
             verdicts[spec] = judge(spec, case, ev.inputs, run.outputs, ev.truth, ev.baseline, stages=stages,
                                    factor=self.factor, seconds=run.seconds)
+            self._phases["verdict"] += self._synchronized() - judged
         pair = {}
         if len(sides) == 2 and len(outputs) == 2:
             a, b = (outputs[s] for s in sides)
+            compared = time.perf_counter()
             pair = disagreement(case, ev.inputs, a, b, ev.truth, ev.baseline, self.factor)
-        return Outcome(case, choice, verdicts, outputs, launches, ev, pair, time.perf_counter() - start)
+            self._phases["verdict"] += self._synchronized() - compared
+        return Outcome(case, choice, verdicts, outputs, launches, ev, pair, time.perf_counter() - start,
+                       phases=dict(self._phases))
 
     def _sweep(self, spec, case, ev: Evidence, stages: bool):
         """Every autotune config index of every kernel the run launches; the worst verdict."""
@@ -263,4 +288,5 @@ def _raise_if_oom(run) -> None:
         raise runtime.DeviceOutOfMemory(run.detail)
 
 
-__all__ = ["Examiner", "UsageError", "Evidence", "Outcome", "same_divergence", "failing_tensors", "EVIDENCE_BYTES"]
+__all__ = ["Examiner", "UsageError", "Evidence", "Outcome", "same_divergence", "failing_tensors", "EVIDENCE_BYTES",
+           "PHASES"]

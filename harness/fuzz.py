@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import Callable, Optional
 
 from harness import known, localize, oracle, runtime, store, tiling
-from harness.examine import Examiner, Outcome, UsageError
+from harness.examine import PHASES, Examiner, Outcome, UsageError
 from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases, maybe_boundary
@@ -140,7 +140,8 @@ class FuzzReport:
     search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
     setup_s: float = 0.0                               # before the search: imports, loading the implementations
     production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
-    # where the judged cases' time went, by shape ("production" / "other"): [cases, examine s, kernel runs s]
+    # where the judged cases' time went, by shape ("production" / "other"): {"cases": n, "examine": s, and the
+    # seconds of each of harness.examine.PHASES}
     case_seconds: dict = field(default_factory=dict)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
@@ -152,9 +153,10 @@ class FuzzReport:
     def throughput(self) -> dict:
         """Cases judged per minute of search, and the time to the first one."""
         minutes = self.search_s / 60.0
-        per_case = {kind: {"cases": n, "examine_s": round(examine / n, 4), "kernels_s": round(kernels / n, 4)}
-                    for kind, (n, examine, kernels) in sorted(self.case_seconds.items())}
-        examined = sum(examine for _, examine, _ in self.case_seconds.values())
+        per_case = {kind: {"cases": t["cases"], "examine_s": round(t["examine"] / t["cases"], 4),
+                           **{f"{phase}_s": round(t[phase] / t["cases"], 4) for phase in PHASES}}
+                    for kind, t in sorted(self.case_seconds.items())}
+        examined = sum(t["examine"] for t in self.case_seconds.values())
         return {"judged": self.tried, "skipped": self.skipped,
                 "judged_per_minute": round(self.tried / minutes, 1) if minutes > 0 else None,
                 "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
@@ -470,10 +472,12 @@ class Fuzzer:
             self.report.first_judged_s = self._elapsed()
         production = at_production_shape(fitted)
         self.report.production_cases += production
-        tally = self.report.case_seconds.setdefault("production" if production else "other", [0, 0.0, 0.0])
-        tally[0] += 1
-        tally[1] += outcome.seconds
-        tally[2] += sum(v.seconds for v in outcome.verdicts.values())
+        tally = self.report.case_seconds.setdefault("production" if production else "other",
+                                                    dict.fromkeys(("cases", "examine", *PHASES), 0.0))
+        tally["cases"] += 1
+        tally["examine"] += outcome.seconds
+        for phase in PHASES:
+            tally[phase] += outcome.phases.get(phase, 0.0)
         explained = self._note_known(outcome)
         self._note_ratios(outcome, explained)
         if self.observe is not None:

@@ -116,10 +116,11 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
         if t.get("first_judged_after_s") is not None:
             first_judged = min(first_judged or 1e30, t["first_judged_after_s"])
         for kind, c in (t.get("per_case") or {}).items():
-            acc = per_case.setdefault(kind, [0, 0.0, 0.0])
-            acc[0] += c["cases"]
-            acc[1] += c["examine_s"] * c["cases"]
-            acc[2] += c["kernels_s"] * c["cases"]
+            acc = per_case.setdefault(kind, {"cases": 0})
+            acc["cases"] += c["cases"]
+            for name, mean in c.items():          # the means per case: examine_s and each phase's
+                if name.endswith("_s"):
+                    acc[name] = acc.get(name, 0.0) + mean * c["cases"]
         if s.get("first_divergence_after_s") is not None:
             first_div = min(first_div or 1e30, s["first_divergence_after_s"])
         for item in s.get("divergences") or []:
@@ -151,8 +152,9 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
             "judged_per_minute": round(tried / minutes, 1) if minutes > 0 else None,
             "first_judged_after_s": first_judged, "setup_s": round(setup_s, 2), "search_s": round(search_s, 2),
             "production_shape_cases": production, "jobs": len(job_dirs),
-            "per_case": {kind: {"cases": n, "examine_s": round(e / n, 4), "kernels_s": round(k / n, 4)}
-                         for kind, (n, e, k) in sorted(per_case.items()) if n}},
+            "per_case": {kind: {name: (value if name == "cases" else round(value / acc["cases"], 4))
+                                for name, value in acc.items()}
+                         for kind, acc in sorted(per_case.items()) if acc["cases"]}},
     })
     return merged
 

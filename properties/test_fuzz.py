@@ -121,6 +121,18 @@ def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path,
     assert outcome.verdicts[spec].status == record["verdicts"][spec]["status"]
 
 
+def test_the_summary_says_where_a_judged_cases_time_went(tmp_path, device):
+    from harness.examine import PHASES
+
+    report = fuzz("harness.doubles:healthy", tmp_path, device, max_examples=6, pass_="backward", dtypes=("float32",))
+    summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
+    per_case = summary["throughput"]["per_case"]["other"]
+    assert per_case["cases"] == report.tried == 6
+    parts = [per_case[f"{phase}_s"] for phase in PHASES]
+    assert all(p > 0 for p in parts), per_case                   # every case computes its own evidence
+    assert sum(parts) <= per_case["examine_s"] * 1.001 + 1e-4, per_case
+
+
 def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path, monkeypatch, device):
     """Localization and minimization re-examine cases (with stages, with features switched off, as shrink
     candidates); each distinct case still gets one oracle evaluation at its inputs and one baseline evaluation.

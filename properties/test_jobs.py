@@ -51,7 +51,8 @@ def test_merged_summary_sums_the_jobs_and_keeps_one_folder_per_signature(tmp_pat
     assert merged["known"][0]["reproduced"] == 5 and merged["known"][0]["first_case"] == "case 1"
     t = merged["throughput"]
     assert t["judged"] == 21 and t["search_s"] == 31.0 and t["judged_per_minute"] == round(21 / (31 / 60), 1)
-    assert t["first_judged_after_s"] == 3.0 and t["per_case"]["other"]["cases"] == 20
+    assert t["first_judged_after_s"] == 3.0 and t["per_case"]["other"] == {"cases": 20, "examine_s": 0.1,
+                                                                            "kernels_s": 0.05}
     assert [j["seed"] for j in merged["jobs"]] == [11, 11 + jobs.SEED_STRIDE]
 
 
