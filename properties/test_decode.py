@@ -37,6 +37,7 @@ from harness.oracle import evaluate, recurrent  # noqa: E402
 from harness.strategies import Bounds, cases  # noqa: E402
 from harness.verdict import UNIT_ROUNDOFF  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
+from properties.test_upstream import ONE_CONFIG  # noqa: E402
 
 STEP = "mamba_ssm.selective_state_update"
 DTYPES = tuple(runtime.runnable_dtypes())
@@ -119,7 +120,7 @@ def test_decoding_every_token_is_the_chunk_scan(device, case):
 
 def assert_within_budget(spec: str, case: Case, device: str):
     with Examiner([spec], device) as examiner:
-        outcome = examiner.examine(case)
+        outcome = examiner.examine(case, ONE_CONFIG)
     verdict = outcome.verdicts[spec]
     note(f"case: {case.to_json(indent=None)}; ratio {verdict.ratio:.3g}")
     assert verdict.ok, f"{verdict.message()}\ncase: {case.to_json(indent=None)}"

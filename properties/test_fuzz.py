@@ -19,12 +19,14 @@ from harness.cli import main
 from harness.fuzz import FuzzConfig, Fuzzer, UsageError
 from harness.minimize import replay
 from harness.verdict import Verdict
+from properties.test_upstream import ONE_CONFIG
 
 
 def fuzz(impl, out, device, **kw):
     kw.setdefault("max_time", None)
     kw.setdefault("seed", 4)
     kw.setdefault("minimize", False)          # the search and localization; minimizing is tested on its own
+    kw.setdefault("autotune", ONE_CONFIG)      # the search, not tuning: natively "tuned" compiles every config
     config = FuzzConfig(impl=impl, out_dir=str(out), device=device, report_dir=None, **kw)
     return Fuzzer(config).run()
 

@@ -37,6 +37,7 @@ from harness.inputs import materialize  # noqa: E402
 from harness.localize import fit_case  # noqa: E402
 from harness.strategies import Bounds, cases  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
+from properties.test_upstream import ONE_CONFIG  # noqa: E402
 
 DTYPES = tuple(runtime.runnable_dtypes())
 # A layer runs in_proj, the conv, five SSD kernels, the norm and out_proj: small shapes under the interpreter.
@@ -108,7 +109,7 @@ def test_the_layer_oracle_is_the_mixer_oracle_on_in_projs_output(device, case):
 
 def assert_within_budget(spec: str, case: Case, device: str):
     with Examiner([spec], device) as examiner:
-        verdict = examiner.examine(case).verdicts[spec]
+        verdict = examiner.examine(case, ONE_CONFIG).verdicts[spec]
     assert verdict.ok, f"{verdict.message()}\ncase: {case.to_json(indent=None)}"
 
 

@@ -170,6 +170,10 @@ def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
 # one is another compile of every kernel, so properties draw from two and test_every_autotune_config_* sweeps
 # them all on one case. "tuned" (benchmarking every new shape) is left to that test too.
 CONFIGS = st.integers(0, 11) if runtime.interpreted() else st.integers(0, 1)
+# A property that judges a case without drawing its config runs config 0 (what "tuned" is under the interpreter):
+# natively "tuned" benchmarks every config of every kernel, a compile of each, for every drawn shape (fla's
+# activation kernels have 30 per width).
+ONE_CONFIG = 0
 
 
 def examples(cpu: int, gpu: int) -> int:
