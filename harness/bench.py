@@ -6,7 +6,8 @@
 Each campaign is its own `ssdiff fuzz` process (so nothing compiled stays in memory between them) with a
 Triton cache of its own: "cold" starts from an empty cache, "warm" runs again on the cache the cold run left
 (TRITON_CACHE_DIR; the autotune results stay on disk with TRITON_CACHE_AUTOTUNING=1) with the same seed, so that
-it draws the compile keys the cold run compiled (more, where it gets further). Columns: cases judged
+it draws the compile keys the cold run compiled (more, where it gets further); the compile-ahead jobs the cold run
+finished are recorded in that cache and not run again (harness/precompile.py). Columns: cases judged
 per minute of search, the time to the first judged case from the process's start (imports, compiling and the
 first case's judgement included), the share at production shapes (seqlen >= 2048 and dstate >= 128), and the largest
 ratio to budget any case reached. Results for the H200 and the CPU: harness/BENCHMARKS.md.
