@@ -13,7 +13,9 @@ decoded layer, of its prefill: the steps run one token each) and the features th
 code path (`FLAGS`: constexpr switches such as D per channel, z, softplus, arguments passed as a tensor or None
 such as initial states, seq_idx, final-state gradients, and a layer's biases, norm and decoding); seqlen within
 that class, sequence lengths and padding, dt_limit's values, the value regime and the seed vary freely. After each
-round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up. Keys
+round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up. Each key
+is the best of SPREAD candidates at adding pairs of feature values its round lacks (`Pool.draw`), so that a
+round's few keys meet features together more often than independent draws would. Keys
 come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`; none for the layer entry, whose
 production slots take small keys) and "boundary" (one dimension at a block-size boundary of the implementation's
 configs, run with that config: harness/tiling.py).
@@ -180,6 +182,21 @@ class CompileKey:
         return text + (f" [{self.boundary.describe()}]" if self.boundary else "")
 
 
+# Candidates drawn for each key (`Pool.draw`).
+SPREAD = 3
+
+
+def features_of(key: CompileKey) -> frozenset:
+    """What a key's cases share besides sizes: its flags and whether heads share groups (ngroups > 1)."""
+    return frozenset(key.flags) | {("ngroups > 1", key.ngroups > 1)}
+
+
+def feature_pairs(key: CompileKey) -> set:
+    """Every pair of `features_of` ``key``: what two keys share when both have those two values."""
+    found = sorted(features_of(key), key=repr)
+    return {(a, b) for i, a in enumerate(found) for b in found[i + 1:]}
+
+
 @dataclass(frozen=True)
 class Production:
     """Model shapes (Mamba-2 2.7B: h 80 p 64 n 128; Codestral: h 128 n 128 g 8; Falcon-H1: n 256; chunk 256)
@@ -226,7 +243,9 @@ class Pool:
         self._next_boundary = 0
         # a slot keeps its kind through rotations (a layer key drawn for a production slot is a small key)
         self.kinds = self._kinds(mix.size)
-        self.keys = [self.draw(kind) for kind in self.kinds]
+        self.keys = []
+        for kind in self.kinds:
+            self.keys.append(self.draw(kind, self.keys))
         self.round = 0
         self._plan_next()
 
@@ -241,7 +260,7 @@ class Pool:
 
     def _plan_next(self):
         self._slot = self.rng.randrange(len(self.keys))
-        self.upcoming = self.draw(self.kinds[self._slot])
+        self.upcoming = self.draw(self.kinds[self._slot], [k for i, k in enumerate(self.keys) if i != self._slot])
 
     def rotate(self) -> list:
         """The next round's keys: one swapped for `upcoming` (drawn a round ahead, so that it can be compiled
@@ -253,7 +272,22 @@ class Pool:
 
     # ---- drawing one key ---------------------------------------------------------------------------------
 
-    def draw(self, kind: str) -> CompileKey:
+    def draw(self, kind: str, others=()) -> CompileKey:
+        """A key of ``kind``: of SPREAD candidates, the one whose features (`features_of`) add the most pairs of
+        (feature, value) that the ``others`` keys of its round lack, so that a round's few keys meet features
+        together (ngroups > 1 with the gated RMSNorm, say) more often than independent draws do."""
+        seen = set().union(*(feature_pairs(k) for k in others))
+        start, best = self._next_boundary, None
+        for _ in range(SPREAD):
+            self._next_boundary = start            # candidates of a boundary key share its boundary
+            key = self._fitted(kind)
+            new = len(feature_pairs(key) - seen)
+            if best is None or new > best[0]:
+                best = (new, key, self._next_boundary)
+        self._next_boundary = best[2]
+        return best[1]
+
+    def _fitted(self, kind: str) -> CompileKey:
         for _ in range(20):
             key = self._draw(kind)
             fitted = self.fit(key.case())
@@ -364,4 +398,5 @@ class Pool:
                           seqlen_min=lo, seqlen_max=hi, boundary=boundary, flags=flags, **mixer)
 
 
-__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "FLAGS", "POOLED_ENTRIES", "flags_of", "spec_class", "seqlen_class"]
+__all__ = ["CompileKey", "Pool", "Mix", "Production", "KINDS", "FLAGS", "POOLED_ENTRIES", "SPREAD", "flags_of",
+           "features_of", "feature_pairs", "spec_class", "seqlen_class"]
