@@ -368,8 +368,12 @@ class Fuzzer:
         keep_going it runs after the search, as minimization does: natively each ablation is a new kernel
         specialization compiled on the spot, and localizing one divergence in the middle of a campaign took
         its whole time budget (an H200 layer campaign: 11 cases judged in 165 s)."""
-        finding.localization, finding.staged = localize.investigate(
-            self.examiner, finding.outcome, self.config.ablation_runs, explore_configs=self.config.autotune != "tuned")
+        try:
+            finding.localization, finding.staged = localize.investigate(
+                self.examiner, finding.outcome, self.config.ablation_runs,
+                explore_configs=self.config.autotune != "tuned")
+        except runtime.DeviceOutOfMemory as err:        # the machine's limit: the divergence stands, unlocalized
+            finding.localization, finding.staged = {"text": f"not localized: {err}"}, {}
 
     def _write(self, finding: Finding):
         o = finding.outcome
@@ -432,7 +436,7 @@ class Fuzzer:
         try:
             finding.minimized = minimize_outcome(self.examiner, finding.outcome, finding.path,
                                                  max_runs=self.config.minimize_runs)
-        except NotDiverging as exc:
+        except (NotDiverging, runtime.DeviceOutOfMemory) as exc:
             finding.minimize_problem = str(exc)
         finding.minimize_seconds = time.perf_counter() - start
 
