@@ -26,6 +26,7 @@ activation kernels autotune 30 configs per width, a minute of compiling inline f
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import threading
@@ -33,7 +34,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Optional
 
-from harness import tiling
+import torch
+import triton
+
+from harness import runtime, tiling
 
 
 def config_indices(impls, autotune) -> range:
@@ -47,8 +51,6 @@ def config_indices(impls, autotune) -> range:
 
 def _compile_case(spec: str, case_json: str, choice, device: str) -> tuple:
     """In a worker: run one side on one case under one config index. Returns (seconds, error or "")."""
-    from harness import runtime
-
     runtime.configure()
     from harness.case import Case
     from harness.isolate import resolve
@@ -120,12 +122,7 @@ class Compiler:
         self._record_lock = threading.Lock()
         self._keys: dict = {}           # job -> its record key
         self._stamps = {spec: _modules_stamp(impl) for spec, impl in sides.items()}
-        import torch
-        import triton
-
         name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else str(device)
-        from harness import runtime
-
         self._where = f"{name} torch {torch.__version__} triton {triton.__version__} fp32 dot {runtime.fp32_dot()}"
         # per side: a side whose kernels are not autotuned (a reference's one norm kernel) compiles them in one job
         self.indices = {spec: config_indices([impl], autotune) for spec, impl in sides.items()}
@@ -157,8 +154,6 @@ class Compiler:
         return queued
 
     def _key(self, spec: str, case, choice) -> str:
-        import hashlib
-
         text = "\n".join([spec, case.to_json(), str(choice), self._where, self._stamps[spec]])
         return hashlib.sha1(text.encode()).hexdigest()
 
