@@ -9,6 +9,8 @@ harness.standins where causal_conv1d / selective_scan_cuda are missing, and reco
 k_activations.py they do not contain) and are reported unavailable with that reason. What a release can
 express is read from it: cu_seqlens / return_varlen_states from the signature, seq_idx = -1 padding from the
 release number (2.2.6.post3 added the check to the chunk-state kernel; verified against 2.2.5 and 2.3.0).
+`fla()` loads fla's simple_gla ops the same way, without fla's and fla.ops's package ``__init__`` (they import
+every layer and op, seconds of a campaign's start); fla.layers still imports as usual.
 
 Nothing here raises a traceback at a user for a missing package: `Unavailable` carries a one-line reason,
 which adapters report through `Implementation.unavailable()`.
