@@ -14,7 +14,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from harness import findings
+from harness import findings, repro
 from harness.known import BY_ID, DEFECTS, installed_version
 
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
@@ -55,8 +55,17 @@ def _repro_params() -> list:
     return params
 
 
+def _ssdiff_installed(tmp_path) -> bool:
+    """Whether a stranger's environment (harness.repro.run: nothing of this checkout on the path) imports ssdiff:
+    an installed ssdiff (``pip install -e .``, as ./dev setup does) is what a repro through the registry needs."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import harness.impls\n")
+    return repro.run(probe, timeout=120).returncode == 0
+
+
 @pytest.mark.parametrize("defect_id, where, version", _repro_params())
-def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version, request):
+def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version, request,
+                                                                         tmp_path):
     defect = BY_ID[defect_id]
     found = findings.read_finding(defect_id)
     assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings`"
@@ -73,6 +82,10 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
         pytest.skip(f"its repro.py was written for {device} (the example diverges there only)")
     if expected == 1 and defect_id in REPRO_CANNOT_SHOW:
         request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=REPRO_CANNOT_SHOW[defect_id]))
+    if found["has_repro"] and found["implementation"].startswith(THROUGH_THE_REGISTRY) \
+            and not _ssdiff_installed(tmp_path):
+        pytest.skip("its repro.py reaches the implementation through ssdiff's registry, and ssdiff is not installed "
+                    "here (a stranger's environment cannot import it; `pip install -e .` or ./dev setup installs it)")
     if not found["has_repro"]:
         if where is None and expected == 1:
             pytest.fail(f"the registry says the installed {defect.package} {version} is affected, yet the example does "
