@@ -164,13 +164,14 @@ class Compiler:
             return None
         job = self._executor.submit(_compile_case, spec, case.to_json(), choice, self.device)
         self._keys[job] = key
-        job.add_done_callback(lambda f, key=key: self._note_done(f, key))
+        job.add_done_callback(self._note_done)
         return job
 
-    def _note_done(self, job, key: str) -> None:
+    def _note_done(self, job) -> None:
         """Record a job that compiled without error (once; from its done callback, or from `close`)."""
         if not job.done() or job.cancelled() or job.exception() is not None or job.result()[1]:
             return
+        key = self._keys[job]
         with self._record_lock:
             if key in self.done:
                 return
@@ -200,8 +201,8 @@ class Compiler:
     def close(self) -> None:
         """Cancel what is queued and stop the workers (a compile in flight is abandoned). The jobs done are in
         the record by then (a done callback may run after its waiter has woken)."""
-        for job, key in self._keys.items():
-            self._note_done(job, key)
+        for job in self._keys:
+            self._note_done(job)
         if self._executor is not None:
             processes = list(getattr(self._executor, "_processes", {}).values())
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,23 +1,20 @@
 """What the compile-ahead workers are given (harness/precompile.py): one job per autotune config index of each
-side's own autotuned kernels, and a benchmarking job only for a side that has some. The jobs themselves run
-natively only (under the interpreter nothing compiles); what is queued is decided the same everywhere."""
+side's own autotuned kernels, a benchmarking job only for a side that has some, and none for a job the cache's
+record says was done. Campaigns compile ahead natively only; the Compiler itself runs anywhere (under the
+interpreter a job runs its case and compiles nothing)."""
 
 from __future__ import annotations
-
-import pytest
 
 from harness import tiling
 from harness.impls import get
 from harness.precompile import Compiler
+from properties.test_upstream import usable
 
 COMBINED, REF = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
 
 
 def test_each_side_gets_the_config_indices_of_its_own_autotuned_kernels(device):
-    combined, ref = get(COMBINED), get(REF)
-    for impl in (combined, ref):
-        if impl.unavailable():
-            pytest.skip(f"{impl.name}: {impl.unavailable()}")
+    combined, ref = (usable(name, "float32", False, device) for name in (COMBINED, REF))
     most = max(len(t.configs) for _, t in tiling.autotuned(combined.kernel_modules()))
     compiler = Compiler({COMBINED: combined, REF: ref}, device, "tuned", workers=1)
     # the reference launches one Triton kernel family, the gated RMSNorm's, which is not autotuned: one job
