@@ -1,8 +1,11 @@
 """Materialize the tensors of a Case, deterministically.
 
-Every value is drawn in float64 on the CPU from a generator seeded by ``case.seed`` (so the numbers do not
-depend on the device), rounded once to the dtype it is handed to implementations in, and kept in float64
-after that rounding. The oracle therefore sees exactly the numbers every implementation sees.
+Every value is drawn in float64 from ``case.seed``, rounded once to the dtype it is handed to implementations in,
+and kept in float64 after that rounding. The oracle therefore sees exactly the numbers every implementation
+sees. The numbers do not depend on the device: a tensor of up to _DRAW_BLOCK elements comes from the case's CPU
+generator; a larger one (production shapes: tens of millions of variates a case, most of a warm case's time when
+drawn on the host) from `counter_variates` on the case's device, a keyed hash of each element's index in integer
+arithmetic and a table of the normal's quantiles, which give the same bits on any device.
 
 Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt, the layer's input u) and the mixer's
 and layer's weights in the case's dtype; A (the layer's A_log), D, dt_bias and initial_states in float32.
@@ -20,8 +23,9 @@ to state slots through ``state_indices`` (a permutation drawn from the seed) whe
 
 from __future__ import annotations
 
+import functools
 import math
-import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,11 +39,11 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Pre-softplus mean of dt and the range of |A| per decay regime (see SPEC.md section 6).
 _DT_CENTER = {"none": -3.0, "mild": -3.0, "typical": -3.0, "strong": 0.5}
 _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "strong": (30.0, 60.0)}
-# A tensor of more elements is drawn in blocks of this many, each from its own generator seeded from the case's,
-# on up to 8 threads: one generator is sequential, and at production shapes (millions of elements a tensor)
-# drawing is most of a warm case's time on a GPU; blocks this size keep 8 threads busy on a 2-million-element
-# tensor. Smaller tensors (every case a CPU campaign draws) come from the case's generator itself.
+# A tensor of more elements than this is drawn by `counter_variates` on the case's device, keyed from the case's
+# generator; smaller ones (every tensor a CPU campaign draws) come from the case's generator itself.
 _DRAW_BLOCK = 2 ** 18
+# `counter_variates`' normal: the inverse CDF interpolated between this many + 1 quantiles (tails cut at 4.32).
+_NORMAL_KNOTS = 2 ** 16
 
 CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight",
@@ -153,53 +157,91 @@ class Inputs:
         return tensors
 
 
-def draw(case) -> tuple:
-    """The float64 values of every input (rounded once through its dtype), their dtypes, and the cotangents
-    of backward cases: (values, dtypes, grad_outputs), drawn on the CPU from ``case.seed``.
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche hash of 32-bit values held in int64 (lowbias32: xor-shifts and two odd multipliers);
+    the products are taken modulo 2**32 in 16-bit halves, so no intermediate leaves int64 on any device."""
+    def times(v, c):
+        return (v * (c & 0xFFFF) + (((v * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
-    Self-contained on purpose (torch, math, os and this module's constants only; ``case`` may be any object with
-    the Case's attributes): repro.py files inline this very function, so a repro sees the numbers ssdiff saw.
+    x = times(x ^ (x >> 16), 0x7FEB352D)
+    x = times(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=1)
+def _normal_knots() -> tuple:
+    """The normal's quantiles at (k + 0.5) / (_NORMAL_KNOTS + 1), k = 0.._NORMAL_KNOTS, and the steps between
+    neighbours, as float64 CPU tensors: Python's own arithmetic (statistics.NormalDist), mirrored about 0."""
+    normal, half = statistics.NormalDist(), _NORMAL_KNOTS // 2
+    low = [normal.inv_cdf((k + 0.5) / (_NORMAL_KNOTS + 1)) for k in range(half)]
+    knots = low + [0.0] + [-v for v in reversed(low)]
+    steps = [b - a for a, b in zip(knots, knots[1:])]
+    return torch.tensor(knots[:-1], dtype=torch.float64), torch.tensor(steps, dtype=torch.float64)
+
+
+def counter_variates(kind: str, count: int, key, device="cpu") -> torch.Tensor:
+    """``count`` float64 variates on ``device``, element i a function of (i, ``key``) alone: two 32-bit words from
+    keyed `_mix32` rounds of i (``key``: four integers below 2**32), then "normal" (the inverse CDF between
+    `_normal_knots`, at a 16-bit knot and a 48-bit fraction), "uniform" ([0, 1), 53 bits) or "integer" (-2..2).
+    Integer operations and single IEEE roundings only, each its own operation: the same bits on every device."""
+    i = torch.arange(count, dtype=torch.int64, device=device)
+    low, high = i & 0xFFFFFFFF, i >> 32
+    first = _mix32(_mix32(low ^ key[0]) ^ high ^ key[1])
+    second = _mix32(_mix32(low ^ key[2]) ^ high ^ key[3])
+    if kind == "integer":
+        return (first % 5 - 2).to(torch.float64)
+    if kind == "uniform":
+        return ((first << 21) | (second >> 11)).to(torch.float64) * 2.0 ** -53
+    knots, steps = (t.to(device) for t in _normal_knots())
+    at = first >> 16
+    fraction = (((first & 0xFFFF) << 32) | second).to(torch.float64) * 2.0 ** -48
+    return knots[at] + steps[at] * fraction
+
+
+def draw(case, device="cpu", decay_only: bool = False) -> tuple:
+    """The float64 values of every input (rounded once through its dtype), their dtypes, and the cotangents
+    of backward cases: (values, dtypes, grad_outputs) on ``device``, drawn from ``case.seed``; the same numbers
+    for any ``device``. ``decay_only``: A, dt and dt_bias alone (the first drawn, so the same values), what the
+    decay conditions of harness/known.py read.
+
+    Self-contained on purpose (torch, math and this module's constants and counter functions only; ``case`` may be
+    any object with the Case's attributes): repro.py files inline this very function, so a repro sees the numbers
+    ssdiff saw.
     """
     gen = torch.Generator().manual_seed(case.seed)
     act = TORCH_DTYPES[case.dtype]
     r = case.regime
 
-    def sample(fill, shape, dtype=torch.float64):
-        """``fill(out, generator)`` over a new tensor of ``shape``: from ``gen``, or blockwise (_DRAW_BLOCK)."""
+    def sample(kind, shape):
+        """``shape`` variates of ``kind`` (as `counter_variates`): on the CPU from ``gen``, or, past _DRAW_BLOCK
+        elements, `counter_variates` on ``device`` keyed from ``gen``."""
         count = math.prod(shape)
-        out = torch.empty(count, dtype=dtype)
-        if count <= _DRAW_BLOCK:
-            fill(out, gen)
-            return out.reshape(shape)
-        from concurrent.futures import ThreadPoolExecutor
-
-        seeds = torch.randint(0, 2 ** 62, (-(-count // _DRAW_BLOCK),), generator=gen).tolist()
-        blocks = [(out[i * _DRAW_BLOCK:(i + 1) * _DRAW_BLOCK], torch.Generator().manual_seed(s))
-                  for i, s in enumerate(seeds)]
-        with ThreadPoolExecutor(max_workers=min(8, len(blocks), os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda block: fill(*block), blocks))
-        return out.reshape(shape)
+        if count > _DRAW_BLOCK:
+            key = torch.randint(0, 2 ** 32, (4,), generator=gen).tolist()
+            return counter_variates(kind, count, key, device).reshape(shape)
+        if kind == "integer":
+            return torch.randint(-2, 3, (count,), generator=gen).to(torch.float64).reshape(shape)
+        fill = torch.randn if kind == "normal" else torch.rand
+        return fill(count, generator=gen, dtype=torch.float64).reshape(shape)
 
     def normal(*shape, std=1.0, mean=0.0):
-        return sample(lambda out, g: torch.randn(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
-            * std + mean
+        return sample("normal", shape) * std + mean
 
     def uniform(*shape, lo=0.0, hi=1.0):
-        return sample(lambda out, g: torch.rand(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
-            * (hi - lo) + lo
+        return sample("uniform", shape) * (hi - lo) + lo
 
     def values(*shape):
-        if r.values == "integer":
-            return sample(lambda out, g: torch.randint(-2, 3, out.shape, generator=g, out=out), shape,
-                          torch.int64).to(torch.float64)
-        return normal(*shape) * r.scale
+        return sample("integer", shape) if r.values == "integer" else normal(*shape) * r.scale
+
+    def cat(parts, dim):
+        return torch.cat([t.to(device) for t in parts], dim=dim)
 
     b, L, h, p, g, n = case.batch, case.seqlen, case.nheads, case.headdim, case.ngroups, case.dstate
     vals, dtypes = {}, {}
 
     def put(name, tensor, dtype):
         # Round once through the dtype implementations get, keep float64.
-        vals[name] = tensor.to(dtype).to(torch.float64)
+        vals[name] = tensor.to(device).to(dtype).to(torch.float64)
         dtypes[name] = dtype
 
     # A: per-head decay rate, negative.
@@ -214,17 +256,23 @@ def draw(case) -> tuple:
             dt_raw = dt_raw + center / 2
         if r.dt_large:
             # Half the heads (at least one) above the softplus threshold 20, where softplus is the identity.
-            big = torch.arange(h) % 2 == 0
-            shift = torch.where(big, torch.tensor(22.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+            shift = (torch.arange(h) % 2 == 0).to(torch.float64) * 22.0
             if case.has_dt_bias:
                 dt_bias = dt_bias + shift
             else:
-                dt_raw = dt_raw + shift
+                dt_raw = dt_raw + shift.to(dt_raw.device)
     else:
-        dt_raw = F.softplus(normal(b, L, h, mean=center, std=1.0))
+        # on the CPU, like every transcendental here: a device's softplus may differ from the CPU's in the last bit
+        dt_raw = F.softplus(normal(b, L, h, mean=center, std=1.0).cpu())
         dt_bias = normal(h, std=0.02)
         if r.dt_large:
             dt_raw = dt_raw + 22.0 * (torch.arange(h) % 2 == 0)
+    if decay_only:
+        put("A", A, torch.float32)
+        put("dt", dt_raw, act)
+        if case.has_dt_bias:
+            put("dt_bias", dt_bias, torch.float32)
+        return vals, dtypes, {}
 
     if case.entry in ("chunk_scan", "decode"):
         put("x", values(b, L, h, p), act)
@@ -247,7 +295,7 @@ def draw(case) -> tuple:
         # in_proj rows [SwiGLU branch, z, xBC, dt]: unit-variance outputs, the dt rows at std 0.7 (as dt above)
         rows = 2 * case.d_nonssm + dim + conv_ch
         std = 1.0 / math.sqrt(d_model)
-        weight = torch.cat([normal(rows, d_model, std=std), normal(h, d_model, std=0.7 * std)], dim=0)
+        weight = cat([normal(rows, d_model, std=std), normal(h, d_model, std=0.7 * std)], dim=0)
         put("in_proj_weight", weight, act)
         if case.bias:
             put("in_proj_bias", normal(rows + h, std=0.1), act)
@@ -268,7 +316,7 @@ def draw(case) -> tuple:
         zx0 = values(b, L, 2 * case.d_nonssm)
         z = values(b, L, dim)
         xBC = values(b, L, conv_ch)
-        put("zxbcdt", torch.cat([zx0, z, xBC, dt_raw], dim=-1), act)
+        put("zxbcdt", cat([zx0, z, xBC, dt_raw], dim=-1), act)
         put("conv1d_weight", normal(conv_ch, case.conv_width, std=1.0 / math.sqrt(case.conv_width)), act)
         put("conv1d_bias", normal(conv_ch, std=0.1), act)
         put("dt_bias", dt_bias, torch.float32)
@@ -287,13 +335,13 @@ def draw(case) -> tuple:
 
     grad_outputs = {}
     if case.backward:
-        grad_outputs["y"] = normal(*y_shape).to(act).to(torch.float64)
+        grad_outputs["y"] = normal(*y_shape).to(device).to(act).to(torch.float64)
         if case.padding:
             # Outputs at padding tokens are unspecified (not judged): no cotangent may carry them into gradients.
             real = torch.arange(L)[None, :] < torch.tensor([L - pad for pad in case.padding])[:, None]
-            grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2))
+            grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2)).to(device)
         if case.final_state_grad:
-            grad_outputs["final_states"] = normal(b, h, p, n).to(torch.float32).to(torch.float64)
+            grad_outputs["final_states"] = normal(b, h, p, n).to(device).to(torch.float32).to(torch.float64)
     return vals, dtypes, grad_outputs
 
 
@@ -301,7 +349,7 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
     """Build the inputs of ``case`` on ``device`` (no default: where tensors live is the caller's choice,
     runtime.default_device() or a test's ``device`` fixture). Deterministic in (case, device)."""
     device = torch.device(device)
-    vals, dtypes, grad_outputs = draw(case)
+    vals, dtypes, grad_outputs = draw(case, device)
     r = case.regime
 
     state_indices = None

@@ -77,7 +77,7 @@ class KnownDefect:
 def row_decay(case: Case) -> float:
     """The largest sum over a batch row of |dt' A| (dt' after bias and softplus), per head, from the case's own
     inputs (drawn deterministically from its seed; cached: asked for the same case while drawing and judging)."""
-    values = draw(case)[0]
+    values = draw(case, decay_only=True)[0]
     return float((_dt_prime(case, values) * values["A"]).abs().sum(1).max())
 
 
@@ -92,7 +92,7 @@ def ragged_end_decay(case: Case) -> float:
     """The largest |sum of dt' A| over the tokens of a chunk that a sequence ends inside (its end not on a
     chunk_size boundary of the row), from the sequence's start or the chunk's, whichever is later: the within-chunk
     cumsum a chunked kernel reads there (0 when every sequence ends on a boundary)."""
-    values = draw(case)[0]
+    values = draw(case, decay_only=True)[0]
     dt = _dt_prime(case, values)
     if case.dt_limit is not None:
         dt = dt.clamp(*case.dt_limit)

@@ -147,8 +147,10 @@ def _standins_source() -> str:
 
 def _draw_source() -> str:
     consts = "\n".join(f"{name} = {pprint.pformat(getattr(inputs_module, name))}"
-                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK"))
-    return consts + "\n\n\n" + inspect.getsource(inputs_module.draw)
+                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK", "_NORMAL_KNOTS"))
+    functions = (inputs_module._mix32, inputs_module._normal_knots, inputs_module.counter_variates, inputs_module.draw)
+    return ("import functools\nimport statistics\n\n" + consts + "\n\n\n"
+            + "\n\n".join(inspect.getsource(fn) for fn in functions))
 
 
 def _scan_kwargs(case: Case, plain: bool) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from harness.case import Case, CaseError
+from harness.case import Case, CaseError, Regime
 from harness.inputs import materialize
 from harness.strategies import cases
 
@@ -91,17 +91,59 @@ def test_inputs_are_deterministic_and_rounded_once(device, case):
         assert len(bases) == 1, "strided inputs must be views of one wide tensor"
 
 
-def test_a_tensor_over_the_draw_block_is_drawn_blockwise_deterministically_and_without_repeats():
-    """x of just over _DRAW_BLOCK elements (1 x 257 x 16 x 64) comes from one generator per block: the same
-    numbers every time, no block a copy of another, normal in the whole and in the last (partial) block."""
+def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_the_cpu(device):
+    """Every value and cotangent of a case with tensors past _DRAW_BLOCK (drawn by counter_variates where the case
+    lives) is bitwise the same drawn on ``device`` as on the CPU, and the same drawn twice."""
     from harness.inputs import _DRAW_BLOCK, draw
 
-    case = Case(seqlen=257, nheads=16, headdim=64, dstate=2, chunk_size=64)
-    x = draw(case)[0]["x"].flatten()
-    assert x.numel() > _DRAW_BLOCK
-    assert torch.equal(x, draw(case)[0]["x"].flatten())
-    first, second = x[:_DRAW_BLOCK], x[_DRAW_BLOCK:]
-    assert not torch.equal(first[:second.numel()], second)
-    for part in (x, second):
-        assert abs(part.mean().item()) < 5 / part.numel() ** 0.5
-        assert abs(part.std().item() - 1.0) < 0.05
+    case = Case(seqlen=257, nheads=16, headdim=64, dstate=2, chunk_size=64, has_z=True, pass_="backward",
+                regime=Regime(dt_large=True))
+    here, cpu = draw(case, device), draw(case, "cpu")
+    assert here[0]["x"].numel() > _DRAW_BLOCK and here[0]["x"].device.type == torch.device(device).type
+    for ours, theirs in zip(here, cpu):
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            assert torch.equal(ours[name].cpu(), theirs[name]) if torch.is_tensor(ours[name]) else \
+                ours[name] == theirs[name], name
+    assert torch.equal(draw(case, device)[0]["x"], here[0]["x"])
+
+
+# counter_variates' first values for fixed keys (float64 bits): any device, any torch, must give these.
+PINNED = {"normal": ((1, 2, 3, 4), [0.8167438431872991, 0.9028352562992186, 0.9575262949559313,
+                                    1.5940552658080147, -0.6747622710545207, 1.284090550047002]),
+          "uniform": ((5, 6, 7, 8), [0.8083001826545856, 0.38303260644912074, 0.1601052075862388]),
+          "integer": ((9, 10, 11, 12), [1.0, 2.0, -2.0, -1.0, 0.0, 0.0, -1.0, -1.0])}
+
+
+@pytest.mark.parametrize("kind", sorted(PINNED))
+def test_counter_variates_are_pinned_bits_on_every_device(kind, device):
+    from harness.inputs import counter_variates
+
+    key, first = PINNED[kind]
+    assert counter_variates(kind, len(first), key, device).cpu().tolist() == first
+
+
+def test_counter_normals_are_distinct_and_normal(device):
+    """2**20 normals of one key: no value twice, and the normal's mean, variance and tail shares (the inverse CDF
+    is cut at the outermost quantile, 4.32)."""
+    from harness.inputs import counter_variates
+
+    n = 2 ** 20
+    x = counter_variates("normal", n, (7, 11, 13, 17), device).cpu()
+    assert x.unique().numel() == n
+    se = n ** -0.5
+    assert abs(x.mean().item()) < 5 * se and abs(x.var().item() - 1.0) < 5 * 2 ** 0.5 * se
+    for k, share in ((1, 0.31731), (2, 0.04550), (3, 0.00270)):
+        seen = (x.abs() > k).double().mean().item()
+        assert abs(seen - share) < 5 * (share * (1 - share) / n) ** 0.5, (k, seen, share)
+    assert 4.3 < x.abs().max().item() < 4.33
+
+
+@given(cases(entry="chunk_scan"))
+def test_the_decay_inputs_alone_are_those_of_the_whole_draw(case):
+    from harness.inputs import draw
+
+    alone, whole = draw(case, decay_only=True)[0], draw(case)[0]
+    assert alone.keys() <= whole.keys() and {"A", "dt"} <= alone.keys()
+    for name, value in alone.items():
+        assert torch.equal(value, whole[name]), name
