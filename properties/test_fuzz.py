@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -332,3 +333,29 @@ def test_usage_errors_name_the_problem():
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", against="harness.doubles:mixer", report_dir=None))
     with pytest.raises(UsageError, match="budget"):
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))
+
+
+@pytest.mark.parametrize("compiling", [True, False])
+@pytest.mark.parametrize("autotune", ["tuned", 2])
+def test_a_representative_still_compiling_is_judged_under_config_0_meanwhile(tmp_path, device, compiling, autotune):
+    """A key's representative that is to be judged tuned, while the workers still compile its configs, is judged
+    under config 0 first and tuned once they are done; compiled (or under a fixed config) it is judged once."""
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=1, pool=True,
+                               compile_ahead=False, autotune=autotune, pass_="forward", dtypes=("float32",),
+                               report_dir=None, out_dir=str(tmp_path), seed=1))
+    key = next(k for k in fuzzer.pool.keys if k.boundary is None)
+    waited, judged = [], []
+
+    class Workers:
+        def wait(self, case, timeout):
+            waited.append(timeout)
+            return not compiling or timeout > 0
+
+    fuzzer.compiler = Workers()
+    fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
+    fuzzer._start = time.perf_counter()
+    assert fuzzer._representatives([key]) is False
+    rep = key.case(backward=False)
+    early = [(rep, 0)] if compiling and autotune == "tuned" else []
+    assert judged == early + [(rep, autotune)]
+    assert waited[-1] > 0
