@@ -508,23 +508,32 @@ class Fuzzer:
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
-        the campaign. A representative to be judged tuned whose configs are still compiling is judged meanwhile
-        under config 0 (one variant of each kernel, compiled here where the workers have not yet: seconds), so
-        that a cold campaign's first verdicts do not wait for every config of every kernel."""
+        the campaign. Representatives to be judged tuned whose configs are still compiling are judged meanwhile
+        under config 0 (the workers compile every case's config 0 first), each once its config 0 is in, so that
+        a cold campaign's first verdicts do not wait for every config of every kernel."""
         backward = (False, True) if self.backward is None else (self.backward,)
+        cfg = self.config
+        reps = []
         for key in keys:
+            choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
+                else (0 if cfg.autotune == "random" else cfg.autotune)
             # one case for both passes where the key's cases are forward only (a decoded layer)
-            for case in dict.fromkeys(key.case(backward=b) for b in backward):
+            reps += [(case, choice) for case in dict.fromkeys(key.case(backward=b) for b in backward)]
+        if self.compiler is not None:
+            early = [case for case, choice in reps if choice == "tuned" and not self.compiler.wait(case, 0)]
+            for case in early:
                 if self._out_of_budget():
                     return False
-                choice = key.boundary.config if key.boundary is not None and self.config.autotune in (
-                    "tuned", "random") else (0 if self.config.autotune == "random" else self.config.autotune)
-                if self.compiler is not None:
-                    if choice == "tuned" and not self.compiler.wait(case, 0) and self._judge(case, 0):
-                        return True
-                    self.compiler.wait(case, self._time_left(COMPILE_WAIT_S))
-                if self._judge(case, choice):
+                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=0)
+                if self._judge(case, 0):
                     return True
+        for case, choice in reps:
+            if self._out_of_budget():
+                return False
+            if self.compiler is not None:
+                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S))
+            if self._judge(case, choice):
+                return True
         return False
 
     def run(self) -> FuzzReport:

@@ -17,11 +17,14 @@ Workers are spawned processes: a script that runs a campaign at import time need
     compiler = Compiler(sides, device, autotune)
     compiler.submit(cases)          # returns at once; the workers compile in the background
     compiler.wait(case, timeout)    # before judging a case compiled ahead: its configs' jobs done
+    compiler.wait(case, timeout, 0) # ... or those of config 0
     compiler.progress()             # (done, queued), for the progress line
 
-A case compiled ahead is judged once its per-config jobs are done (`wait`): judged earlier, this process would
-compile every variant itself, one after another, while the workers compile the same ones in parallel — fla's
-activation kernels autotune 30 configs per width, a minute of compiling inline for one case.
+A case compiled ahead is judged tuned once its per-config jobs are done (`wait`): judged earlier, this process
+would compile every variant itself, one after another, while the workers compile the same ones in parallel —
+fla's activation kernels autotune 30 configs per width, a minute of compiling inline for one case. Jobs are
+queued config index first (every case's config 0, then every case's config 1, ...), so a campaign can judge its
+first cases under config 0 within seconds while the rest compile (`wait(case, timeout, 0)`).
 """
 
 from __future__ import annotations
@@ -131,25 +134,29 @@ class Compiler:
         self.workers = workers or default_workers()
         self._executor = None
         self.futures: list = []
-        self._jobs: dict = {}           # case JSON -> its per-config jobs (not the benchmarking one)
+        self._jobs: dict = {}           # case JSON -> config index -> its jobs (not the benchmarking one)
 
     def submit(self, cases) -> list:
         """Queue every (side with kernels, case, config index); returns the jobs (futures)."""
         if self._executor is None:
             self._executor = ProcessPoolExecutor(max_workers=self.workers,
                                                  mp_context=multiprocessing.get_context("spawn"))
-        queued = []
-        for case in cases:
-            for spec, impl in self.sides.items():
-                if not impl.kernel_modules():
-                    continue
-                jobs = [job for index in self.indices[spec] if (job := self._submit(spec, case, index))]
-                self._jobs.setdefault(case.to_json(), []).extend(jobs)
-                queued += jobs
-                if spec in self.tuned:
-                    # last: by the time a worker takes it most configs are on disk, and its benchmark results
-                    # go there too (TRITON_CACHE_AUTOTUNING), so the campaign loads them instead of tuning
-                    queued += filter(None, [self._submit(spec, case, "tuned")])
+        queued, sides = [], {spec: impl for spec, impl in self.sides.items() if impl.kernel_modules()}
+        # config index first: every case's config 0 is on disk early (what a representative still compiling is
+        # judged under meanwhile, harness/fuzz.py), then every case's config 1, ...
+        for index in range(max([len(self.indices[spec]) for spec in sides] or [0])):
+            for case in cases:
+                for spec in sides:
+                    if index < len(self.indices[spec]):
+                        choice = self.indices[spec][index]
+                        job = self._submit(spec, case, choice)
+                        if job:
+                            self._jobs.setdefault(case.to_json(), {}).setdefault(choice, []).append(job)
+                            queued.append(job)
+        # last: by the time a worker takes them most configs are on disk, and their benchmark results go there
+        # too (TRITON_CACHE_AUTOTUNING), so the campaign loads them instead of tuning
+        queued += filter(None, [self._submit(spec, case, "tuned") for case in cases for spec in sides
+                                if spec in self.tuned])
         self.futures += queued
         return queued
 
@@ -183,11 +190,13 @@ class Compiler:
             except OSError:
                 pass                    # a cache directory we may not write: the jobs just run again next time
 
-    def wait(self, case, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``case``'s per-config jobs; True when none is left running."""
+    def wait(self, case, timeout: float, index: Optional[int] = None) -> bool:
+        """Wait up to ``timeout`` seconds for ``case``'s per-config jobs (those of config ``index`` alone when
+        given); True when none is left running."""
         from concurrent.futures import wait
 
-        jobs = self._jobs.get(case.to_json(), [])
+        per_index = self._jobs.get(case.to_json(), {})
+        jobs = [job for i, some in per_index.items() if index is None or i == index for job in some]
         return not wait(jobs, timeout=max(0.0, timeout)).not_done if jobs else True
 
     def errors(self) -> list:

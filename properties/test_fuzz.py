@@ -337,25 +337,27 @@ def test_usage_errors_name_the_problem():
 
 @pytest.mark.parametrize("compiling", [True, False])
 @pytest.mark.parametrize("autotune", ["tuned", 2])
-def test_a_representative_still_compiling_is_judged_under_config_0_meanwhile(tmp_path, device, compiling, autotune):
-    """A key's representative that is to be judged tuned, while the workers still compile its configs, is judged
-    under config 0 first and tuned once they are done; compiled (or under a fixed config) it is judged once."""
-    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=1, pool=True,
-                               compile_ahead=False, autotune=autotune, pass_="forward", dtypes=("float32",),
-                               report_dir=None, out_dir=str(tmp_path), seed=1))
-    key = next(k for k in fuzzer.pool.keys if k.boundary is None)
+def test_representatives_still_compiling_are_judged_under_config_0_meanwhile(tmp_path, device, compiling, autotune):
+    """Keys' representatives that are to be judged tuned, while the workers still compile their configs, are all
+    judged under config 0 first (each once its config 0 is in), then tuned once every config is in; compiled (or
+    under a fixed config) each is judged once."""
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=10,
+                               pool=True, compile_ahead=False, autotune=autotune, pass_="forward",
+                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1))
+    keys = [k for k in fuzzer.pool.keys if k.boundary is None][:2]
     waited, judged = [], []
 
     class Workers:
-        def wait(self, case, timeout):
-            waited.append(timeout)
+        def wait(self, case, timeout, index=None):
+            waited.append((case, timeout, index))
             return not compiling or timeout > 0
 
     fuzzer.compiler = Workers()
     fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
     fuzzer._start = time.perf_counter()
-    assert fuzzer._representatives([key]) is False
-    rep = key.case(backward=False)
-    early = [(rep, 0)] if compiling and autotune == "tuned" else []
-    assert judged == early + [(rep, autotune)]
-    assert waited[-1] > 0
+    assert len(keys) == 2 and fuzzer._representatives(keys) is False
+    reps = [k.case(backward=False) for k in keys]
+    early = [(rep, 0) for rep in reps] if compiling and autotune == "tuned" else []
+    assert judged == early + [(rep, autotune) for rep in reps]
+    assert [(c, i) for c, t, i in waited if t > 0 and i == 0] == ([(rep, 0) for rep in reps] if early else [])
+    assert [c for c, t, i in waited if t > 0 and i is None] == reps

@@ -43,3 +43,29 @@ def test_a_job_done_on_this_cache_is_not_queued_again(tmp_path, monkeypatch, dev
     finally:
         again.close()
     assert len((tmp_path / "triton" / "ssdiff-compiled-ahead.txt").read_text().split()) == 1
+
+
+def test_every_cases_config_0_is_queued_before_any_other_config_and_the_benchmarks_last(device):
+    """submit queues by config index first (what a representative still compiling is judged under meanwhile is on
+    disk early), the tuned benchmarking jobs after every per-config one; wait(..., index) waits for one index."""
+    from concurrent.futures import Future
+
+    from harness.case import Case
+
+    combined, ref = (usable(name, "float32", False, device) for name in (COMBINED, REF))
+    compiler = Compiler({COMBINED: combined, REF: ref}, device, "tuned", workers=1)
+    order = []
+
+    class Queue:
+        def submit(self, fn, spec, case_json, choice, where):
+            order.append((spec, Case.from_json(case_json).seed, choice))
+            return Future()
+
+    compiler._executor, compiler.done = Queue(), set()
+    cases = [Case(entry="split_conv1d", seqlen=8, nheads=2, ngroups=2, seed=s) for s in (1, 2)]
+    compiler.submit(cases)
+    most = len(compiler.indices[COMBINED])
+    assert order[:3] == [(COMBINED, 1, 0), (REF, 1, 0), (COMBINED, 2, 0)] and order[3] == (REF, 2, 0)
+    assert [c for _, _, c in order[4:-2]] == [i for i in range(1, most) for _ in cases]
+    assert order[-2:] == [(COMBINED, 1, "tuned"), (COMBINED, 2, "tuned")]
+    assert not compiler.wait(cases[0], 0, index=0) and compiler.wait(cases[0], 0, index=most + 5)
