@@ -508,9 +508,11 @@ class Fuzzer:
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
-        the campaign. Representatives to be judged tuned whose configs are still compiling are judged meanwhile
-        under config 0 (the workers compile every case's config 0 first), each once its config 0 is in, so that
-        a cold campaign's first verdicts do not wait for every config of every kernel."""
+        the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
+        under is in (the workers compile every case's config 0 first, then config 1, ...): one to be judged tuned
+        is judged meanwhile under config 0, and tuned once every config is in. Forward cases come first, then
+        backward ones, production shapes last in each: a cold campaign's first verdicts are its cheapest, and
+        none waits for every config of every kernel."""
         backward = (False, True) if self.backward is None else (self.backward,)
         cfg = self.config
         reps = []
@@ -518,16 +520,26 @@ class Fuzzer:
             choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
                 else (0 if cfg.autotune == "random" else cfg.autotune)
             # one case for both passes where the key's cases are forward only (a decoded layer)
-            reps += [(case, choice) for case in dict.fromkeys(key.case(backward=b) for b in backward)]
+            reps += [(case, choice, key.kind) for case in dict.fromkeys(key.case(backward=b) for b in backward)]
+        reps.sort(key=lambda rep: (rep[0].backward, rep[2] == "production"))
+        later = reps
         if self.compiler is not None:
-            early = [case for case, choice in reps if choice == "tuned" and not self.compiler.wait(case, 0)]
-            for case in early:
+            later = []
+            for case, choice, kind in reps:
+                if choice == "tuned":
+                    later.append((case, choice, kind))
+                    if self.compiler.wait(case, 0):
+                        continue                # every config in already: judged tuned below
+                first = 0 if choice == "tuned" else choice
+                if not isinstance(first, int):
+                    later.append((case, choice, kind))      # "sweep": every config
+                    continue
                 if self._out_of_budget():
                     return False
-                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=0)
-                if self._judge(case, 0):
+                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=first)
+                if self._judge(case, first):
                     return True
-        for case, choice in reps:
+        for case, choice, _ in later:
             if self._out_of_budget():
                 return False
             if self.compiler is not None:

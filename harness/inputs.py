@@ -354,7 +354,9 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
 
     state_indices = None
     if case.entry == "decode":
-        vals["state"], dtypes["state"] = prefill_state(case, vals), TORCH_DTYPES[case.state_dtype]
+        # on the CPU, whatever the device: the state's numbers must not depend on where the oracle ran
+        vals["state"] = prefill_state(case, {k: v.cpu() for k, v in vals.items()})
+        dtypes["state"] = TORCH_DTYPES[case.state_dtype]
         if case.state_batch_indices:
             gen = torch.Generator().manual_seed(case.seed + 1)
             state_indices = torch.randperm(case.batch, generator=gen).to(torch.int32)

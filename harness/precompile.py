@@ -30,6 +30,7 @@ first cases under config 0 within seconds while the rest compile (`wait(case, ti
 from __future__ import annotations
 
 import hashlib
+import inspect
 import multiprocessing
 import os
 import threading
@@ -92,17 +93,33 @@ def triton_cache_dir() -> str:
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
+def _kernel_files(module) -> list:
+    """The files a kernel module compiles from: a module's own file; for a namespace of kernels (a test double's),
+    the files its kernels are defined in."""
+    path = getattr(module, "__file__", None)
+    if path:
+        return [path]
+    files = set()
+    for value in vars(module).values():
+        while hasattr(value, "fn"):               # an Autotuner wraps a JITFunction, which wraps the function
+            value = value.fn
+        try:
+            files.add(inspect.getsourcefile(value))
+        except TypeError:
+            pass
+    return sorted(f for f in files if f) or [repr(module)]
+
+
 def _modules_stamp(impl) -> str:
     """What a side's kernels are compiled from: its kernel modules' files (a new release changes them)."""
     parts = []
-    for module in impl.kernel_modules():
-        path = getattr(module, "__file__", None) or module.__name__
+    for path in sorted({p for module in impl.kernel_modules() for p in _kernel_files(module)}):
         try:
             st = os.stat(path)
             parts.append(f"{path}:{st.st_size}:{int(st.st_mtime)}")
         except OSError:
             parts.append(path)
-    return "|".join(sorted(parts))
+    return "|".join(parts)
 
 
 class Compiler:

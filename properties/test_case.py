@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from harness.case import Case, CaseError, Regime
 from harness.inputs import materialize
@@ -106,6 +107,31 @@ def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_t
             assert torch.equal(ours[name].cpu(), theirs[name]) if torch.is_tensor(ours[name]) else \
                 ours[name] == theirs[name], name
     assert torch.equal(draw(case, device)[0]["x"], here[0]["x"])
+
+
+def _on_meta(case) -> bool:
+    from harness.inputs import draw
+
+    values, _, grads = draw(case, "meta")
+    return all(t.device.type == "meta" for t in [*values.values(), *grads.values()])
+
+
+@given(st.sampled_from(("chunk_scan", "split_conv1d", "decode", "layer")).flatmap(lambda e: cases(entry=e)))
+def test_every_drawn_tensor_lands_on_the_device_asked_for(case):
+    """Drawn for the meta device (whose tensors, like a GPU's, refuse to meet the CPU's in one operation), every
+    value and cotangent lands there: a device mix in draw fails here, on a machine without a GPU too."""
+    assert _on_meta(case)
+
+
+@pytest.mark.parametrize("entry", ["chunk_scan", "split_conv1d", "decode"])
+@pytest.mark.parametrize("regime", [Regime(dt_large=True), Regime(values="integer")], ids=["dt_large", "integer"])
+def test_a_production_size_case_lands_on_the_device_asked_for(entry, regime):
+    """The same with tensors past _DRAW_BLOCK (counter_variates on the device), every feature that mixes them
+    with small ones on."""
+    extra = {"decode_steps": 2, "pass_": "forward"} if entry == "decode" else {"pass_": "backward"}
+    case = Case(entry=entry, seqlen=2048, nheads=16, headdim=64, dstate=128, ngroups=16, chunk_size=256,
+                has_z=entry != "split_conv1d", initial_states=True, regime=regime, **extra)
+    assert _on_meta(case)
 
 
 # counter_variates' first values for fixed keys (float64 bits): any device, any torch, must give these.

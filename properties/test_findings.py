@@ -2,8 +2,8 @@
 the release that fixed it, and FINDINGS.md is what `python -m harness.findings --render` writes from the
 registry and reports/findings/ (harness/findings.py).
 
-Each repro runs as a stranger would run it: a child process with a clean environment, nothing of ssdiff on its
-path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
+Each repro runs as a stranger would run it (harness.repro.run): a child process with nothing of this checkout on
+its path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
 .venv/mamba-releases/<version>/; see properties/test_upstream.py::test_release_runs_its_properties).
 """
 

@@ -19,6 +19,7 @@ from harness.case import Case
 from harness.cli import main
 from harness.fuzz import FuzzConfig, Fuzzer, UsageError
 from harness.minimize import replay
+from harness.pool import Mix
 from harness.verdict import Verdict
 from properties.test_upstream import ONE_CONFIG
 
@@ -337,27 +338,39 @@ def test_usage_errors_name_the_problem():
 
 @pytest.mark.parametrize("compiling", [True, False])
 @pytest.mark.parametrize("autotune", ["tuned", 2])
-def test_representatives_still_compiling_are_judged_under_config_0_meanwhile(tmp_path, device, compiling, autotune):
-    """Keys' representatives that are to be judged tuned, while the workers still compile their configs, are all
-    judged under config 0 first (each once its config 0 is in), then tuned once every config is in; compiled (or
-    under a fixed config) each is judged once."""
-    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=10,
-                               pool=True, compile_ahead=False, autotune=autotune, pass_="forward",
-                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1))
-    keys = [k for k in fuzzer.pool.keys if k.boundary is None][:2]
+def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path, device, compiling, autotune):
+    """With cases compiled ahead, each key's representative is judged once the config it runs under is in: one to
+    be judged tuned meanwhile under config 0, then tuned once every config is in (straight away tuned where every
+    config is in already); a boundary key's under its config alone. Forward before backward, production shapes
+    last in each pass."""
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
+                               pool=True, compile_ahead=False, autotune=autotune, pass_="mixed",
+                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
+                               pool_mix=Mix(size=4, production=0.25, boundary=0.25)))
+    keys = fuzzer.pool.keys
+    assert {k.kind for k in keys} == {"small", "production", "boundary"}
     waited, judged = [], []
 
     class Workers:
         def wait(self, case, timeout, index=None):
-            waited.append((case, timeout, index))
+            waited.append((case, index))
             return not compiling or timeout > 0
 
     fuzzer.compiler = Workers()
     fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
     fuzzer._start = time.perf_counter()
-    assert len(keys) == 2 and fuzzer._representatives(keys) is False
-    reps = [k.case(backward=False) for k in keys]
-    early = [(rep, 0) for rep in reps] if compiling and autotune == "tuned" else []
-    assert judged == early + [(rep, autotune) for rep in reps]
-    assert [(c, i) for c, t, i in waited if t > 0 and i == 0] == ([(rep, 0) for rep in reps] if early else [])
-    assert [c for c, t, i in waited if t > 0 and i is None] == reps
+    assert fuzzer._representatives(keys) is False
+    reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
+                  key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
+    if autotune == 2:
+        assert judged == [(case, 2) for case, _ in reps]
+        assert all((case, 2) in waited for case, _ in reps)
+        return
+    at_boundary = [(case, key.boundary.config) for case, key in reps if key.boundary]
+    tuned = [(case, "tuned") for case, key in reps if not key.boundary]
+    if compiling:
+        assert judged == [(case, key.boundary.config if key.boundary else 0) for case, key in reps] + tuned
+    else:
+        assert judged == at_boundary + tuned
+    assert all((case, None) in waited for case, _ in tuned)
+    assert not any((case, None) in waited for case, _ in at_boundary)

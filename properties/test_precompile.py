@@ -69,3 +69,12 @@ def test_every_cases_config_0_is_queued_before_any_other_config_and_the_benchmar
     assert [c for _, _, c in order[4:-2]] == [i for i in range(1, most) for _ in cases]
     assert order[-2:] == [(COMBINED, 1, "tuned"), (COMBINED, 2, "tuned")]
     assert not compiler.wait(cases[0], 0, index=0) and compiler.wait(cases[0], 0, index=most + 5)
+
+
+def test_a_side_whose_kernels_are_a_namespace_is_stamped_with_their_files(device):
+    """A test double's kernel_modules() is a namespace of kernels, not a module: its stamp names the file they are
+    defined in (harness/doubles.py), so a campaign with such a side compiles ahead like any other."""
+    from harness import doubles
+
+    compiler = Compiler({"harness.doubles:tiling_bug": doubles.tiling_bug}, device, "tuned", workers=1)
+    assert "harness/doubles.py:" in compiler._stamps["harness.doubles:tiling_bug"]
