@@ -500,28 +500,31 @@ class Fuzzer:
         return False
 
     def _compile_ahead(self, keys) -> None:
-        """Natively: compile the keys' representative cases in worker processes (harness/precompile.py)."""
+        """Natively: compile the keys' representative cases in worker processes (harness/precompile.py), in the
+        order they are judged (`_representatives_of`)."""
         if self.compiler is None:
             return
-        backward = (False, True) if self.backward is None else (self.backward,)
-        self.compiler.submit(list(dict.fromkeys(k.case(backward=b) for k in keys for b in backward)))
+        self.compiler.submit([case for case, _, _ in self._representatives_of(keys)])
 
-    def _representatives(self, keys) -> bool:
-        """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
-        the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
-        under is in (the workers compile every case's config 0 first, then config 1, ...): one to be judged tuned
-        is judged meanwhile under config 0, and tuned once every config is in. Forward cases come first, then
-        backward ones, production shapes last in each: a cold campaign's first verdicts are its cheapest, and
-        none waits for every config of every kernel."""
+    def _representatives_of(self, keys) -> list:
+        """(case, the config it is judged under, the key's kind) of each key's representatives: forward ones
+        first, then backward ones, production shapes last in each (the cheapest verdicts first)."""
         backward = (False, True) if self.backward is None else (self.backward,)
-        cfg = self.config
-        reps = []
+        cfg, reps = self.config, []
         for key in keys:
             choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
                 else (0 if cfg.autotune == "random" else cfg.autotune)
             # one case for both passes where the key's cases are forward only (a decoded layer)
             reps += [(case, choice, key.kind) for case in dict.fromkeys(key.case(backward=b) for b in backward)]
-        reps.sort(key=lambda rep: (rep[0].backward, rep[2] == "production"))
+        return sorted(reps, key=lambda rep: (rep[0].backward, rep[2] == "production"))
+
+    def _representatives(self, keys) -> bool:
+        """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
+        the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
+        under is in (the workers compile every case's config 0 first, then config 1, ...): one to be judged tuned
+        is judged meanwhile under config 0, and tuned once every config is in. In `_representatives_of`' order:
+        a cold campaign's first verdicts are its cheapest, and none waits for every config of every kernel."""
+        reps = self._representatives_of(keys)
         later = reps
         if self.compiler is not None:
             later = []
@@ -613,7 +616,8 @@ class Fuzzer:
                 # Every key and the next round's compiled ahead, not waited for: this process compiles what it
                 # needs before the workers have it (a cold cache) or loads it from disk (warm), and the workers'
                 # variants are on disk by the time it asks for them. Each key's representative case first.
-                self._compile_ahead(self.pool.keys + [self.pool.upcoming])
+                self._compile_ahead(self.pool.keys)
+                self._compile_ahead([self.pool.upcoming])
                 if self._representatives(self.pool.keys):
                     stop_reason.append("divergence found")
             if stop_reason:

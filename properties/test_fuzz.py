@@ -352,16 +352,22 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     waited, judged = [], []
 
     class Workers:
+        def submit(self, cases):
+            submitted.extend(cases)
+
         def wait(self, case, timeout, index=None):
             waited.append((case, index))
             return not compiling or timeout > 0
 
+    submitted = []
     fuzzer.compiler = Workers()
     fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
     fuzzer._start = time.perf_counter()
+    fuzzer._compile_ahead(keys)
     assert fuzzer._representatives(keys) is False
     reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
                   key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
+    assert submitted == [case for case, _ in reps]            # compiled in the order they are judged
     if autotune == 2:
         assert judged == [(case, 2) for case, _ in reps]
         assert all((case, 2) in waited for case, _ in reps)
