@@ -216,6 +216,11 @@ class Compiler:
         jobs = [job for i, some in per_index.items() if index is None or i == index for job in some]
         return not wait(jobs, timeout=max(0.0, timeout)).not_done if jobs else True
 
+    def started(self, case, index: int) -> bool:
+        """Whether a worker has taken up (or finished) ``case``'s jobs of config ``index`` (True where it has none)."""
+        jobs = self._jobs.get(case.to_json(), {}).get(index, [])
+        return all(job.running() or job.done() for job in jobs)
+
     def errors(self) -> list:
         """The one-line errors of the jobs done so far."""
         return [f.result()[1] for f in self.futures if f.done() and not f.cancelled() and f.result()[1]]

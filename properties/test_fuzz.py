@@ -336,13 +336,15 @@ def test_usage_errors_name_the_problem():
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))
 
 
+@pytest.mark.parametrize("taken_up", [True, False])
 @pytest.mark.parametrize("compiling", [True, False])
 @pytest.mark.parametrize("autotune", ["tuned", 2])
-def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path, device, compiling, autotune):
-    """With cases compiled ahead, each key's representative is judged once the config it runs under is in: one to
-    be judged tuned meanwhile under config 0, then tuned once every config is in (straight away tuned where every
-    config is in already); a boundary key's under its config alone. Forward before backward, production shapes
-    last in each pass."""
+def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path, device, compiling, autotune,
+                                                                        taken_up):
+    """With cases compiled ahead, each key's representative is judged once the config it runs under is in (or at
+    once, compiled here, where no worker has taken its job up yet): one to be judged tuned meanwhile under config
+    0, then tuned once every config is in (straight away tuned where every config is in already); a boundary
+    key's under its config alone. Forward before backward, production shapes last in each pass."""
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
                                pool=True, compile_ahead=False, autotune=autotune, pass_="mixed",
                                dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
@@ -359,6 +361,9 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
             waited.append((case, index))
             return not compiling or timeout > 0
 
+        def started(self, case, index):
+            return taken_up or not compiling
+
     submitted = []
     fuzzer.compiler = Workers()
     fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
@@ -368,9 +373,10 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
                   key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
     assert submitted == [case for case, _ in reps]            # compiled in the order they are judged
+    waits_for_its_config = taken_up or not compiling
     if autotune == 2:
         assert judged == [(case, 2) for case, _ in reps]
-        assert all((case, 2) in waited for case, _ in reps)
+        assert all(((case, 2) in waited) == waits_for_its_config for case, _ in reps)
         return
     at_boundary = [(case, key.boundary.config) for case, key in reps if key.boundary]
     tuned = [(case, "tuned") for case, key in reps if not key.boundary]
@@ -380,3 +386,4 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
         assert judged == at_boundary + tuned
     assert all((case, None) in waited for case, _ in tuned)
     assert not any((case, None) in waited for case, _ in at_boundary)
+    assert all(((case, key.boundary.config) in waited) == waits_for_its_config for case, key in reps if key.boundary)
