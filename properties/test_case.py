@@ -92,13 +92,15 @@ def test_inputs_are_deterministic_and_rounded_once(device, case):
         assert len(bases) == 1, "strided inputs must be views of one wide tensor"
 
 
-def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_the_cpu(device):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_the_cpu(device, dtype):
     """Every value and cotangent of a case with tensors past _DRAW_BLOCK (drawn by counter_variates where the case
-    lives) is bitwise the same drawn on ``device`` as on the CPU, and the same drawn twice."""
+    lives, rounded to its dtype there) is bitwise the same drawn on ``device`` as on the CPU, and the same drawn
+    twice."""
     from harness.inputs import _DRAW_BLOCK, draw
 
     case = Case(seqlen=257, nheads=16, headdim=64, dstate=2, chunk_size=64, has_z=True, pass_="backward",
-                regime=Regime(dt_large=True))
+                dtype=dtype, regime=Regime(dt_large=True))
     here, cpu = draw(case, device), draw(case, "cpu")
     assert here[0]["x"].numel() > _DRAW_BLOCK and here[0]["x"].device.type == torch.device(device).type
     for ours, theirs in zip(here, cpu):
