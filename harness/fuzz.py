@@ -521,8 +521,8 @@ class Fuzzer:
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
         the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
-        under is in (the workers compile every case's config 0 first, then config 1, ...; a job no worker has
-        taken up yet is compiled here instead of waited for): one to be judged tuned is judged meanwhile under
+        under is in (the workers compile every case's config 0 first, then config 1, ...; while the workers are
+        still starting, this process compiles it instead): one to be judged tuned is judged meanwhile under
         config 0, and tuned once every config is in. In `_representatives_of`' order: a cold campaign's first
         verdicts are its cheapest, and none waits for every config of every kernel."""
         reps = self._representatives_of(keys)
@@ -540,10 +540,10 @@ class Fuzzer:
                     continue
                 if self._out_of_budget():
                     return False
-                if self.compiler.started(case, first):
+                if self.compiler.ready():
                     self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=first)
-                # else no worker has taken its job up yet (they are starting, or busy): compiled here, sooner; the
-                # job, when a worker gets to it, finds the variants on disk
+                # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
+                # worker gets to it, finds the variants on disk
                 if self._judge(case, first):
                     return True
         for case, choice, _ in later:

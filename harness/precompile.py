@@ -216,10 +216,10 @@ class Compiler:
         jobs = [job for i, some in per_index.items() if index is None or i == index for job in some]
         return not wait(jobs, timeout=max(0.0, timeout)).not_done if jobs else True
 
-    def started(self, case, index: int) -> bool:
-        """Whether a worker has taken up (or finished) ``case``'s jobs of config ``index`` (True where it has none)."""
-        jobs = self._jobs.get(case.to_json(), {}).get(index, [])
-        return all(job.running() or job.done() for job in jobs)
+    def ready(self) -> bool:
+        """Whether the workers are up: a job has finished (a worker spawned, imported torch, Triton and the sides,
+        and compiled), or none was queued. Until then a job waited for takes those seconds of start-up too."""
+        return not self.futures or any(job.done() for job in self.futures)
 
     def errors(self) -> list:
         """The one-line errors of the jobs done so far."""

@@ -336,13 +336,13 @@ def test_usage_errors_name_the_problem():
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))
 
 
-@pytest.mark.parametrize("taken_up", [True, False])
+@pytest.mark.parametrize("workers_up", [True, False])
 @pytest.mark.parametrize("compiling", [True, False])
 @pytest.mark.parametrize("autotune", ["tuned", 2])
 def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path, device, compiling, autotune,
-                                                                        taken_up):
+                                                                        workers_up):
     """With cases compiled ahead, each key's representative is judged once the config it runs under is in (or at
-    once, compiled here, where no worker has taken its job up yet): one to be judged tuned meanwhile under config
+    once, compiled here, while the workers are still starting): one to be judged tuned meanwhile under config
     0, then tuned once every config is in (straight away tuned where every config is in already); a boundary
     key's under its config alone. Forward before backward, production shapes last in each pass."""
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
@@ -361,8 +361,8 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
             waited.append((case, index))
             return not compiling or timeout > 0
 
-        def started(self, case, index):
-            return taken_up or not compiling
+        def ready(self):
+            return workers_up
 
     submitted = []
     fuzzer.compiler = Workers()
@@ -373,7 +373,7 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
                   key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
     assert submitted == [case for case, _ in reps]            # compiled in the order they are judged
-    waits_for_its_config = taken_up or not compiling
+    waits_for_its_config = workers_up
     if autotune == 2:
         assert judged == [(case, 2) for case, _ in reps]
         assert all(((case, 2) in waited) == waits_for_its_config for case, _ in reps)
