@@ -102,6 +102,7 @@ def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
     from harness import runtime
     from harness.case import Case
     from harness.examine import PHASES, Examiner
+    from harness.verdict import RUN_FAILURES
 
     shapes = PHASE_SHAPES_INTERPRETED if runtime.interpreted() else PHASE_SHAPES
     print("| shape | " + " | ".join(PHASES) + " | total |")
@@ -111,7 +112,7 @@ def phases(impl: str, dtype: str, device: str, seeds: int = 3) -> int:
             times = []
             for seed in range(seeds):
                 outcome = examiner.examine(Case(**shape, dtype=dtype, has_z=True, pass_="backward", seed=seed))
-                if outcome.verdicts[impl].status in ("error", "crash", "hang"):
+                if outcome.verdicts[impl].status in RUN_FAILURES:
                     raise SystemExit(f"{impl} failed on {outcome.case.describe()}: {outcome.verdicts[impl].detail}")
                 times.append(outcome.phases)
             warm = times[1:] or times                      # the first seed compiles

@@ -504,19 +504,20 @@ class Fuzzer:
         order they are judged (`_representatives_of`)."""
         if self.compiler is None:
             return
-        self.compiler.submit([case for case, _, _ in self._representatives_of(keys)])
+        self.compiler.submit([case for case, _ in self._representatives_of(keys)])
 
     def _representatives_of(self, keys) -> list:
-        """(case, the config it is judged under, the key's kind) of each key's representatives: forward ones
-        first, then backward ones, production shapes last in each (the cheapest verdicts first)."""
+        """(case, the config it is judged under) of each key's representatives: forward ones first, then backward
+        ones, production shapes last in each (the cheapest verdicts first)."""
         backward = (False, True) if self.backward is None else (self.backward,)
         cfg, reps = self.config, []
         for key in keys:
             choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
                 else (0 if cfg.autotune == "random" else cfg.autotune)
             # one case for both passes where the key's cases are forward only (a decoded layer)
-            reps += [(case, choice, key.kind) for case in dict.fromkeys(key.case(backward=b) for b in backward)]
-        return sorted(reps, key=lambda rep: (rep[0].backward, rep[2] == "production"))
+            reps += [(case, choice, key.kind == "production")
+                     for case in dict.fromkeys(key.case(backward=b) for b in backward)]
+        return [(case, choice) for case, choice, _ in sorted(reps, key=lambda rep: (rep[0].backward, rep[2]))]
 
     def _representatives(self, keys) -> bool:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
@@ -526,27 +527,23 @@ class Fuzzer:
         config 0, and tuned once every config is in. In `_representatives_of`' order: a cold campaign's first
         verdicts are its cheapest, and none waits for every config of every kernel."""
         reps = self._representatives_of(keys)
-        later = reps
-        if self.compiler is not None:
-            later = []
-            for case, choice, kind in reps:
-                if choice == "tuned":
-                    later.append((case, choice, kind))
-                    if self.compiler.wait(case, 0):
-                        continue                # every config in already: judged tuned below
-                first = 0 if choice == "tuned" else choice
-                if not isinstance(first, int):
-                    later.append((case, choice, kind))      # "sweep": every config
-                    continue
-                if self._out_of_budget():
-                    return False
-                if self.compiler.ready():
-                    self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=first)
-                # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
-                # worker gets to it, finds the variants on disk
-                if self._judge(case, first):
-                    return True
-        for case, choice, _ in later:
+        later = [] if self.compiler is not None else reps
+        for case, choice in (reps if self.compiler is not None else []):
+            if choice == "sweep" or (choice == "tuned" and self.compiler.wait(case, 0)):
+                later.append((case, choice))    # every config: judged once all are in (or all are in already)
+                continue
+            if choice == "tuned":
+                later.append((case, choice))    # and meanwhile under config 0
+            first = 0 if choice == "tuned" else choice
+            if self._out_of_budget():
+                return False
+            if self.compiler.ready():
+                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=first)
+            # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
+            # worker gets to it, finds the variants on disk
+            if self._judge(case, first):
+                return True
+        for case, choice in later:
             if self._out_of_budget():
                 return False
             if self.compiler is not None:

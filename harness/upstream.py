@@ -275,9 +275,7 @@ def _load_fla() -> FlaRelease:
         with warnings.catch_warnings():
             # fla warns that Triton "is not supported on current platform" on a CPU: the interpreter is.
             warnings.simplefilter("ignore")
-            # fla's package __init__ (and fla.ops's) imports every layer and op: 10 s of a CPU campaign's start,
-            # most of the 24 s an H200 campaign of simple_gla took to set up. The simple_gla ops load without
-            # them (a layer that imports fla.layers later still can).
+            # without fla's and fla.ops's package __init__ (see the module docstring); fla.layers still imports
             fla = package_without_init("fla")
             package_without_init("fla.ops")
             simple_gla = importlib.import_module("fla.ops.simple_gla")

@@ -16,6 +16,7 @@ from harness.cli import main
 from harness.examine import Examiner
 from harness.localize import stages
 from harness.minimize import minimize
+from properties.test_upstream import usable
 
 SEED_PAIR = ("mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref")
 SEED_START = Case(entry="split_conv1d", batch=2, seqlen=24, nheads=4, ngroups=2, headdim=8, dstate=8, chunk_size=16,
@@ -96,10 +97,7 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
 
 
 def test_replay_of_a_case_a_side_does_not_take_names_what(tmp_path, device, capsys):
-    from harness.impls import get
-    why = get("mamba_ssm.split_conv1d_ref").unavailable()
-    if why:
-        pytest.skip(why)
+    usable("mamba_ssm.split_conv1d_ref", "float32", False, device)
     case = tmp_path / "case.json"
     case.write_text(Case(entry="split_conv1d", seqlen=8, headdim=4, dstate=4, chunk_size=4, d_nonssm=2,
                          return_final_states=False, seed=1).to_json())

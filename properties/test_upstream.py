@@ -441,6 +441,13 @@ def defect_sides(defect: known.KnownDefect, case: Case, device: str) -> list:
     return runnable
 
 
+def skip_where_not_measured(defect: known.KnownDefect, device: str):
+    """pytest.skip where ``defect``'s example is not measured to diverge on ``device``'s type (its example_devices)."""
+    if defect.example_devices and device.split(":")[0] not in defect.example_devices:
+        pytest.skip(f"{defect.id}: its example is measured to diverge on {', '.join(defect.example_devices)} only "
+                    f"(a numerical defect whose size follows the device's order of operations)")
+
+
 def reproduces(defect: known.KnownDefect, case: Case, device: str, request, choice: runtime.Choice = "tuned"):
     """``case`` satisfies ``defect``'s predicate (a precondition: pytest.fail) and every implementation of it
     that runs here agrees with the oracle under autotune ``choice`` — which, on an affected release, must fail
@@ -456,10 +463,7 @@ def reproduces(defect: known.KnownDefect, case: Case, device: str, request, choi
 @pytest.mark.parametrize("defect", known.DEFECTS, ids=lambda d: d.id)
 def test_known_defect_reproduces(defect, device, request):
     """Each record's example diverges from the oracle on an affected release and agrees on a fixed one."""
-    kind = device.split(":")[0]
-    if defect.example_devices and kind not in defect.example_devices:
-        pytest.skip(f"{defect.id}: its example is measured to diverge on {', '.join(defect.example_devices)} only "
-                    f"(a numerical defect whose size follows the device's order of operations)")
+    skip_where_not_measured(defect, device)
     reproduces(defect, defect.example, device, request, defect.example_choice)
 
 
@@ -505,8 +509,7 @@ def test_known_defect_predicate_covers(defect_id, case, device, request):
     """Each extra case satisfies its record's predicate and diverges where the release is affected (on the device
     types its record's example is measured to diverge on)."""
     defect = known.BY_ID[defect_id]
-    if defect.example_devices and device.split(":")[0] not in defect.example_devices:
-        pytest.skip(f"{defect.id}: measured to diverge on {', '.join(defect.example_devices)} only")
+    skip_where_not_measured(defect, device)
     reproduces(defect, case, device, request)
 
 
