@@ -120,7 +120,7 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     if write_repro:
         message = "\n".join(v.message() for v in final.verdicts.values())
         result.repro_path = repro.write(out / store.REPRO, shrunk.minimal, examiner.sides, final.inputs, final.truth,
-                                        final.baseline, examiner.factor, message, choice)
+                                        final.baseline, examiner.factor, message, choice, outputs=final.outputs)
         result.files.append(result.repro_path)
     return result
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import math
 import os
 import pprint
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Optional
 
 import jinja2
 import torch
@@ -147,7 +149,8 @@ def _standins_source() -> str:
 
 def _draw_source() -> str:
     consts = "\n".join(f"{name} = {pprint.pformat(getattr(inputs_module, name))}"
-                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK", "_NORMAL_KNOTS"))
+                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK", "_NORMAL_KNOTS",
+                                    "_VARIATE_SLAB"))
     functions = (inputs_module._mix32, inputs_module._normal_knots, inputs_module.counter_variates, inputs_module.draw)
     return ("import functools\nimport statistics\n\n" + consts + "\n\n\n"
             + "\n\n".join(inspect.getsource(fn) for fn in functions))
@@ -390,8 +393,13 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
             f"    return out", ("ssdiff",))
 
 
-def allowed_errors(case: Case, inputs: Inputs, truth, base, factor: float) -> dict:
-    """For each output and gradient: the largest per-element budget of the verdict (see harness/verdict.py)."""
+# At most this many elements of each tensor are watched one by one (the furthest over their budgets).
+WATCHED = 32
+
+
+def _budgets(case: Case, inputs: Inputs, truth, base, factor: float) -> dict:
+    """For each output and gradient ("y", "grad.x", ...): (the verdict's per-element budget, the mask of the
+    elements it judges, the truth)."""
     out = {}
     items = [("output", k, k, v) for k, v in truth.outputs.items() if v is not None]
     items += [("grad", f"grad.{k}", k, v) for k, v in truth.grads.items()]
@@ -406,7 +414,37 @@ def allowed_errors(case: Case, inputs: Inputs, truth, base, factor: float) -> di
             finite &= torch.isfinite(s)
         budget = element_budget(t, [s.to(torch.float64) for s in samples], judged & finite, axes, case,
                                 UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)[0]
-        out[key] = float(budget[judged & finite].max()) if bool((judged & finite).any()) else 0.0
+        out[key] = (budget, judged & finite, t)
+    return out
+
+
+def allowed_errors(case: Case, inputs: Inputs, truth, base, factor: float) -> dict:
+    """For each output and gradient: the largest per-element budget of the verdict (see harness/verdict.py)."""
+    return {key: float(budget[judged].max()) if bool(judged.any()) else 0.0
+            for key, (budget, judged, _) in _budgets(case, inputs, truth, base, factor).items()}
+
+
+def watched_elements(case: Case, inputs: Inputs, truth, base, factor: float, outputs: dict) -> dict:
+    """For each output and gradient some side got out of its per-element budget: [[flat index, budget], ...] of
+    up to WATCHED elements, the furthest over budget first (non-finite results first of all). ``outputs``: side
+    -> its results (an Evaluation). A repro that checked only the largest error against the largest budget
+    would miss an error over a small element's budget that is under a large element's."""
+    out = {}
+    for key, (budget, judged, t) in _budgets(case, inputs, truth, base, factor).items():
+        kind, short = ("grad", key[5:]) if key.startswith("grad.") else ("output", key)
+        worst = torch.zeros_like(budget)
+        for result in outputs.values():
+            got = (result.grads if kind == "grad" else result.outputs).get(short)
+            if got is None or got.shape != t.shape:
+                continue
+            err = (got.detach().to(t.device, torch.float64) - t).abs()
+            ratio = torch.where(torch.isfinite(err), err / budget.clamp_min(1e-300), torch.full_like(err, math.inf))
+            worst = torch.maximum(worst, torch.where(judged & (ratio > 1), ratio, torch.zeros_like(ratio)))
+        over = int((worst > 0).sum())
+        if over:
+            order = torch.argsort(worst.flatten(), descending=True)[:min(over, WATCHED)]
+            flat = budget.flatten()
+            out[key] = [[int(i), float(flat[i])] for i in order.tolist()]
     return out
 
 
@@ -418,9 +456,10 @@ def _version(dist: str) -> str:
 
 
 def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str,
-          choice: runtime.Choice = "tuned") -> Path:
+          choice: runtime.Choice = "tuned", outputs: Optional[dict] = None) -> Path:
     """Write repro.py for ``case`` judged with ``sides`` (implementation names) on ``inputs.device``; a config
-    index ``choice`` (natively) is forced on every autotuned kernel, as it was when judged."""
+    index ``choice`` (natively) is forced on every autotuned kernel, as it was when judged. ``outputs`` (side ->
+    its results, as judged): the elements out of their budgets are watched one by one (`watched_elements`)."""
     device = str(inputs.device)
     side_code, needs = [], []
     for number, spec in enumerate(sides):
@@ -475,7 +514,8 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
              "triton": _version("triton"), "packages": env_packages},
         message=message.strip(), needs_triton=uses_triton, needs=needs, interpreter=interpreter,
         case_json=pprint.pformat(case.to_dict(), width=110, sort_dicts=False), device=device,
-        allowed={k: v for k, v in allowed_errors(case, inputs, truth, base, factor).items()},
+        allowed=allowed_errors(case, inputs, truth, base, factor),
+        watched=watched_elements(case, inputs, truth, base, factor, outputs or {}), watched_cap=WATCHED,
         factor=factor, draw_source=_draw_source(), preamble="\n\n".join(p.strip("\n") for p in preamble),
         side_code=side_code, differentiable=differentiable, ssdiff_version=_version("ssdiff"),
         date=datetime.date.today().isoformat())
@@ -497,4 +537,4 @@ def run(path, first: str = "", timeout: int = 300) -> subprocess.CompletedProces
                           cwd=Path(path).parent, timeout=timeout)
 
 
-__all__ = ["write", "allowed_errors", "run"]
+__all__ = ["write", "allowed_errors", "watched_elements", "WATCHED", "run"]

@@ -3,19 +3,23 @@ until the one-line upstream fix is applied; planted bugs keep their stage; repla
 bad input is refused clearly."""
 
 import importlib.util
+import math
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import repro
 from harness.case import Case, Regime
 from harness.cli import main
-from harness.examine import Examiner
+from harness.evaluation import Evaluation
+from harness.examine import Examiner, failing_tensors
 from harness.localize import stages
 from harness.minimize import minimize
+from harness.verdict import judge
 from properties.test_upstream import usable
 
 SEED_PAIR = ("mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref")
@@ -117,3 +121,56 @@ def test_minimize_refuses_bad_input(tmp_path, device, capsys):
     assert "unknown implementation 'no.such.impl'" in capsys.readouterr().err
     assert main(["minimize", str(good), "--impl", "ref.recurrent", "--device", device]) == 0
     assert "nothing to minimize" in capsys.readouterr().out
+
+
+SMALL = Case(entry="chunk_scan", batch=1, seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=4,
+             return_final_states=True, regime=Regime(decay="strong", dt_large=True), seed=3)
+
+
+def _nudged_at_a_small_budget(outcome, key: str = "y"):
+    """The outcome's outputs with one element of ``key`` (the one with the smallest budget) off by twice its
+    budget, an error below the largest budget of the tensor; returns (outputs, flat index, its budget, largest)."""
+    budget, judged, truth = repro._budgets(outcome.case, outcome.inputs, outcome.truth, outcome.baseline, 4.0)[key]
+    index = int(torch.argmin(torch.where(judged, budget, torch.full_like(budget, math.inf))))
+    small, largest = float(budget.flatten()[index]), float(budget[judged].max())
+    assert 2 * small < largest, "the case needs budgets that differ across elements"
+    side = next(iter(outcome.outputs))
+    y = outcome.truth.outputs[key].clone().flatten()
+    y[index] += 2 * small
+    nudged = Evaluation({**outcome.outputs[side].outputs, key: y.reshape(truth.shape)})
+    return {side: nudged}, index, small, largest
+
+
+def test_repro_watches_the_elements_out_of_their_own_budgets(device):
+    """An error over a small element's budget but under the tensor's largest budget: the verdict finds it, and
+    repro.py watches that element with its own budget (the largest error against the largest budget would not)."""
+    with Examiner(["ref.quadratic"], device) as examiner:
+        outcome = examiner.examine(SMALL)
+    outputs, index, small, largest = _nudged_at_a_small_budget(outcome)
+    verdict = judge("nudged", SMALL, outcome.inputs, next(iter(outputs.values())), outcome.truth, outcome.baseline)
+    assert not verdict.ok and "y" in failing_tensors(verdict)
+    watched = repro.watched_elements(SMALL, outcome.inputs, outcome.truth, outcome.baseline, 4.0, outputs)
+    assert watched["y"][0] == [index, pytest.approx(small)]
+    assert repro.allowed_errors(SMALL, outcome.inputs, outcome.truth, outcome.baseline, 4.0)["y"] == \
+        pytest.approx(largest)
+    clean = repro.watched_elements(SMALL, outcome.inputs, outcome.truth, outcome.baseline, 4.0, outcome.outputs)
+    assert clean == {}, "a side within every budget leaves nothing watched"
+
+
+def test_repro_exits_1_where_a_watched_element_is_out_of_its_budget(device, tmp_path):
+    """repro.py holds each watched element to its own budget: the same side passes with the budgets ssdiff
+    recorded, and fails once the element's recorded budget is one no error meets."""
+    side = "harness.doubles:healthy"
+    with Examiner([side], device) as examiner:
+        outcome = examiner.examine(SMALL)
+    outputs, index, small, _ = _nudged_at_a_small_budget(outcome)
+    path = repro.write(tmp_path / "repro.py", SMALL, [side], outcome.inputs, outcome.truth, outcome.baseline, 4.0,
+                       "a nudged element", "tuned", outputs=outputs)
+    text = path.read_text()
+    assert f"[{index}, " in text
+    passed = repro.run(path)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    path.write_text(text.replace(f"[{index}, {small!r}]", f"[{index}, -1.0]"))
+    failed = repro.run(path)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert f"y: element {index} (flat)" in failed.stdout and "1 of the 1 watched elements" in failed.stdout
