@@ -439,8 +439,11 @@ def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_pat
     assert minimized and repro, sorted(p.name for p in tmp_path.rglob("*"))
     small = Case.load(minimized[0])
     assert small.seqlen <= finding.outcome.case.seqlen and small.nheads <= finding.outcome.case.nheads
+    # ssdiff's registry from this checkout, ahead of whatever else the caller's path provides (a GPU runner's
+    # packages, an extraction of vLLM's ops)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, str(repro[0])], cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=dict(os.environ, PYTHONPATH=path))
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
 
 
