@@ -190,7 +190,7 @@ def cmd_fuzz(args) -> int:
         timeout=getattr(args, "timeout", 300.0), keep_going=getattr(args, "keep_going", False),
         seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
         minimize=not getattr(args, "no_minimize", False), bounds=bounds, pool=getattr(args, "pool", None),
-        known=DEMO["known"] if demo else getattr(args, "known", "report"),
+        known=DEMO["known"] if demo else getattr(args, "known", "report"), huge=getattr(args, "huge", 0.0),
         oracle=getattr(args, "oracle", None) or "ref.chunked")
     if getattr(args, "no_report", False):
         config.report_dir = None
@@ -334,6 +334,10 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
                    help="draw each search round from a few compile keys, compiled ahead (harness/pool.py; default: "
                         "natively yes, under the interpreter no)")
+    p.add_argument("--huge", type=float, default=0.0, metavar="RATE",
+                   help="the chance a production key is huge instead: 2**31 elements or more in x or the chunk "
+                        "states, forward chunk_scan cases judged on a slice (harness/huge.py; natively only, "
+                        "where the device has room; the nightly campaign's)")
     p.add_argument("--isolate", action="store_true",
                    help="run implementations in a child process: abort, segfault, a poisoned CUDA context and "
                         "hangs become verdicts and the run goes on")

@@ -10,7 +10,9 @@ and harness.isolate resolve that form), e.g. ``ssdiff fuzz --impl harness.double
     "no_reset"      the state passed between chunks does not reset where seq_idx changes;
     "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one;
     "row_leak"      every row's y but the first gets 2^-10 of the first row's (rows share a buffer);
-    "drop_initial_states"  the initial states are ignored (every row starts from zero).
+    "drop_initial_states"  the initial states are ignored (every row starts from zero);
+    "offset_wrap"   x's element i past huge.HUGE_ELEMENTS is read from i - HUGE_ELEMENTS (a 32-bit offset that
+                    overflows at 2**31; harness/huge.py, whose threshold a test lowers to a small case's size).
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
 - `ToyLayer`: the whole Mamba-2 layer in float32 (layer entry): in_proj, then the toy mixer; ``bug=
@@ -50,7 +52,7 @@ from harness.inputs import Inputs, torch_dtype
 from harness.oracle.chunked import process_dt
 from harness.oracle.mixer import conv_vectorized, norm_vectorized
 
-BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states")
+BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap")
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
@@ -157,6 +159,8 @@ class ToyKernel(_Float32Implementation):
     def compute(self, case, t, inputs):
         # Each batch row on its own, as a kernel's programs compute it, so that the double is batch-invariant bit
         # for bit on every device (torch's batched products on a GPU choose their algorithm by the batch size).
+        if self.bug == "offset_wrap":
+            t = dict(t, x=_wrapped(t["x"]))
         rows = []
         for r in range(t["x"].shape[0]):
             row = {k: (v[r:r + 1] if k in _BATCH_LEADING and v is not None else v) for k, v in t.items()}
@@ -175,6 +179,18 @@ class ToyKernel(_Float32Implementation):
             outputs["final_states"] = final
         stages["y"] = y
         return outputs, stages
+
+
+def _wrapped(x: torch.Tensor) -> torch.Tensor:
+    """x as a kernel whose element offsets wrap at huge.HUGE_ELEMENTS reads it: element i past that from
+    i - HUGE_ELEMENTS (a 32-bit offset's overflow, scaled down where a test lowers the threshold)."""
+    from harness import huge
+
+    flat = x.contiguous().flatten().clone()
+    wrap = huge.HUGE_ELEMENTS
+    if flat.numel() > wrap:
+        flat[wrap:] = flat[:flat.numel() - wrap].clone()
+    return flat.reshape(x.shape)
 
 
 class ToyMixer(_Float32Implementation):
@@ -348,6 +364,7 @@ reset_bug = ToyKernel("no_reset")
 mask_bug = ToyKernel("partial_mask")
 row_leak_bug = ToyKernel("row_leak")
 initial_states_bug = ToyKernel("drop_initial_states")
+offset_wrap_bug = ToyKernel("offset_wrap")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from harness import baseline, oracle, runtime, widen
+from harness import baseline, huge, oracle, runtime, widen
 from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.inputs import Inputs, materialize
@@ -171,24 +171,26 @@ class Examiner:
         """The oracle on ``inputs`` (what the baseline's neighbour samples are measured against)."""
         return oracle.evaluate(case, inputs, self.oracle_name)
 
-    def evidence(self, case: Case) -> Evidence:
-        """The case's inputs, truth and baseline samples: evaluated on first use, then kept."""
+    def evidence(self, case: Case, inputs: Optional[Inputs] = None) -> Evidence:
+        """The case's inputs, truth and baseline samples: evaluated on first use, then kept. ``inputs``: a huge
+        case's slice (harness/huge.py), whose evidence is kept under ``case``."""
         found = self._evidence.get(case)
         if found is not None:
             self._evidence.move_to_end(case)
             return found
         start = time.perf_counter()
-        inputs = materialize(case, self.device)
+        inputs = materialize(case, self.device) if inputs is None else inputs
+        judged = inputs.case
         after_inputs = self._synchronized()
         self.oracle_evaluations += 1
         # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
         near = baseline.neighbours_of(inputs)
-        truth, *at_near = widen.evaluate(self.oracle_at, case, [inputs, *near])
+        truth, *at_near = widen.evaluate(self.oracle_at, judged, [inputs, *near])
         after_oracle = self._synchronized()
         self.baseline_evaluations += 1
-        samples = baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
-        self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
-                            baseline=self._synchronized() - after_oracle)
+        samples = baseline.evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
+        self._phases.update(inputs=self._phases.get("inputs", 0.0) + after_inputs - start,
+                            oracle=after_oracle - after_inputs, baseline=self._synchronized() - after_oracle)
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found
@@ -220,6 +222,8 @@ class Examiner:
     def examine(self, case: Case, choice="tuned", stages: bool = False, sides=None) -> Outcome:
         """Run every side (or ``sides``) on ``case`` under autotune ``choice`` and judge each against the oracle;
         with ``stages``, the stage intermediates too."""
+        if huge.is_huge(case):
+            return self._examine_huge(case, choice, list(sides or self.sides))
         start = time.perf_counter()
         self._phases = dict.fromkeys(PHASES, 0.0)
         ev = runtime.retry_on_oom(lambda: self.evidence(case), "ssdiff's evidence (inputs, oracle, baseline)")
@@ -250,6 +254,65 @@ class Examiner:
             pair = disagreement(case, ev.inputs, a, b, ev.truth, ev.baseline, self.factor)
             self._phases["verdict"] += self._synchronized() - compared
         return Outcome(case, choice, verdicts, outputs, launches, ev, pair, time.perf_counter() - start,
+                       phases=dict(self._phases))
+
+    def _examine_huge(self, case: Case, choice, sides: list) -> Outcome:
+        """A huge case (harness/huge.py): every side runs on the whole case, and is judged on its slice; no
+        stages. Raises runtime.DeviceOutOfMemory where the device has no room for it."""
+        start = time.perf_counter()
+        self._phases = dict.fromkeys(PHASES, 0.0)
+        why = huge.room(case, self.device)
+        if why:
+            raise runtime.DeviceOutOfMemory(why)
+        part, row, heads = huge.judged_slice(case)
+        whole = runtime.retry_on_oom(lambda: materialize(case, self.device), "ssdiff's inputs of a huge case")
+        sliced = huge.slice_inputs(whole, row, heads)
+        if self.runner.isolated:            # the child draws the case itself
+            del whole
+            whole = None
+            runtime.release_memory()
+        self._phases["inputs"] = self._synchronized() - start
+        verdicts, results, launches, runs = {}, {}, {}, {}
+        for spec in sides:
+            index, needed = (0 if choice == "sweep" else choice), 1     # "sweep": every config index
+            while True:
+                run = self.runner.run(spec, case, whole, False, index)
+                _raise_if_oom(run)
+                self._phases["kernels"] += run.seconds
+                runs.setdefault(spec, []).append((index, run))     # its outputs at the slice (harness/isolate.py)
+                if choice != "sweep" or run.status != "ok":
+                    break
+                needed = max([needed] + [n for _, _, n, _ in run.launches])
+                index += 1
+                if index >= needed:
+                    break
+        del whole
+        runtime.release_memory()
+        ev = runtime.retry_on_oom(lambda: self.evidence(case, sliced), "ssdiff's evidence of a huge case's slice")
+        for spec, tried in runs.items():
+            for index, run in tried:
+                if run.status != "ok":
+                    v, out = failed_run(spec, run.status, run.detail, run.seconds), None
+                else:
+                    judged = time.perf_counter()
+                    v = judge(spec, part, ev.inputs, run.outputs, ev.truth, ev.baseline, factor=self.factor,
+                              seconds=run.seconds)
+                    self._phases["verdict"] += self._synchronized() - judged
+                    out = run.outputs
+                if choice == "sweep":
+                    v.notes.append(f"autotune config index {index}")
+                if spec not in verdicts or (severity(v.status), v.ratio) > \
+                        (severity(verdicts[spec].status), verdicts[spec].ratio):
+                    verdicts[spec], launches[spec] = v, run.launches
+                    if out is not None:
+                        results[spec] = out
+                    else:
+                        results.pop(spec, None)
+        pair = {}
+        if len(sides) == 2 and len(results) == 2:
+            a, b = (results[s] for s in sides)
+            pair = disagreement(part, ev.inputs, a, b, ev.truth, ev.baseline, self.factor)
+        return Outcome(case, choice, verdicts, results, launches, ev, pair, time.perf_counter() - start,
                        phases=dict(self._phases))
 
     def _sweep(self, spec, case, ev: Evidence, stages: bool):

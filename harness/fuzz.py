@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from harness import known, localize, oracle, runtime, store, tiling
+from harness import huge, known, localize, oracle, runtime, store, tiling
 from harness.examine import PHASES, Examiner, Outcome, UsageError
 from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
@@ -49,6 +49,8 @@ def at_production_shape(case) -> bool:
 
 
 ROUND_EXAMPLES = 100
+# The percentage of a round's cases drawn from its huge key, when it has one (harness/huge.py: each takes seconds).
+HUGE_CASES_PERCENT = 2
 # How long a key's representative case waits for the workers compiling it ahead (harness/precompile.py); past
 # that, this process compiles what is missing itself.
 COMPILE_WAIT_S = 120.0
@@ -98,6 +100,8 @@ class FuzzConfig:
     # The pool's kinds of key; None: Mix() with the default bounds, no production keys with bounds given (a
     # campaign told to stay small stays small).
     pool_mix: Optional[Mix] = None
+    # The chance a production key is huge instead (harness/huge.py; Mix.huge): natively, the nightly campaign's.
+    huge: float = 0.0
     # With a pool: compile each key's representative case ahead in worker processes (harness/precompile.py).
     compile_ahead: bool = True
     oracle: str = oracle.DEFAULT_ORACLE
@@ -140,6 +144,7 @@ class FuzzReport:
     search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
     setup_s: float = 0.0                               # before the search: imports, loading the implementations
     production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
+    untuned_while_compiling: int = 0                   # tuned cases judged under config 0, their key compiling
     # where the judged cases' time went, by shape ("production" / "other"): {"cases": n, "examine": s, and the
     # seconds of each of harness.examine.PHASES}
     case_seconds: dict = field(default_factory=dict)
@@ -162,6 +167,7 @@ class FuzzReport:
                 "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
                 "setup_s": round(self.setup_s, 2),
                 "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases,
+                "untuned_while_compiling": self.untuned_while_compiling,
                 # examine: inputs, oracle, baseline, the sides' runs (compiling and tuning included) and verdicts;
                 # the rest of search_s is drawing, fitting and the search's own work
                 "examine_s": round(examined, 2), "per_case": per_case}
@@ -193,6 +199,16 @@ class FuzzReport:
 
 def _sig_text(sig) -> str:
     return "; ".join(f"{side}: {status}" + (f" in {', '.join(names)}" if names else "") for side, status, names in sig)
+
+
+def _key_of_round(keys):
+    """A strategy for the key of a round's next case: uniform over the keys, but a huge key's HUGE_CASES_PERCENT."""
+    from hypothesis import strategies as st
+
+    regular, big = [k for k in keys if k.kind != "huge"], [k for k in keys if k.kind == "huge"]
+    if not big or not regular:
+        return st.sampled_from(keys)
+    return st.integers(0, 99).flatmap(lambda r: st.sampled_from(big if r < HUGE_CASES_PERCENT else regular))
 
 
 def tf32_hint(case, device: str) -> Optional[str]:
@@ -229,6 +245,8 @@ class Fuzzer:
             raise UsageError(f"--autotune must be tuned, random, sweep or a config index, got {cfg.autotune!r}")
         if cfg.max_time is None and cfg.max_examples is None:
             raise UsageError("give a time budget or an example budget (or both)")
+        if not 0.0 <= cfg.huge <= 1.0:
+            raise UsageError(f"--huge is a chance between 0 and 1, got {cfg.huge!r}")
         entries = set.intersection(*(set(i.capabilities.entries) for i in self.impls.values()))
         if cfg.entry is not None:
             if cfg.entry not in entries:
@@ -266,9 +284,12 @@ class Fuzzer:
         self.pool = None
         use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
         if use_pool and any(i.kernel_modules() for i in self.impls.values()) and set(self.entries) <= POOLED_ENTRIES:
-            mix = cfg.pool_mix or (Mix() if cfg.bounds is None else Mix(production=0.0))
+            mix = cfg.pool_mix or (Mix(huge=cfg.huge) if cfg.bounds is None else Mix(production=0.0))
             self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
                              seed=cfg.seed, fit=self.examiner.fit, backward=self.backward)
+        if cfg.huge and (self.pool is None or cfg.pool_mix is not None or cfg.bounds is not None):
+            raise UsageError("--huge draws production keys of the compile pool: natively (where the pool is on), "
+                             "with the default sizes")
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -283,6 +304,7 @@ class Fuzzer:
         self._stop_requested: Optional[str] = None
         self._progress_written = -PROGRESS_FILE_S
         self._signatures: dict = {}
+        self._tuned_pending: list = []      # representatives judged under config 0, to be judged tuned
         self.compiler = None
         if self.pool is not None and cfg.compile_ahead:
             from harness.precompile import Compiler
@@ -504,7 +526,8 @@ class Fuzzer:
         order they are judged (`_representatives_of`)."""
         if self.compiler is None:
             return
-        self.compiler.submit([case for case, _ in self._representatives_of(keys)])
+        # not a huge key's: each worker would draw the whole case (harness/huge.py)
+        self.compiler.submit([case for case, _ in self._representatives_of(keys) if not huge.is_huge(case)])
 
     def _representatives_of(self, keys) -> list:
         """(case, the config it is judged under) of each key's representatives: forward ones first, then backward
@@ -515,7 +538,7 @@ class Fuzzer:
             choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
                 else (0 if cfg.autotune == "random" else cfg.autotune)
             # one case for both passes where the key's cases are forward only (a decoded layer)
-            reps += [(case, choice, key.kind == "production")
+            reps += [(case, choice, key.kind in ("production", "huge"))
                      for case in dict.fromkeys(key.case(backward=b) for b in backward)]
         return [(case, choice) for case, choice, _ in sorted(reps, key=lambda rep: (rep[0].backward, rep[2]))]
 
@@ -523,9 +546,10 @@ class Fuzzer:
         """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
         the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
         under is in (the workers compile every case's config 0 first, then config 1, ...; while the workers are
-        still starting, this process compiles it instead): one to be judged tuned is judged meanwhile under
-        config 0, and tuned once every config is in. In `_representatives_of`' order: a cold campaign's first
-        verdicts are its cheapest, and none waits for every config of every kernel."""
+        still starting, this process compiles it instead): one to be judged tuned whose configs are not all in
+        yet is judged under config 0 and waits, unjudged tuned, in `_tuned_pending` (`_judge_tuned_pending`). In
+        `_representatives_of`' order: a cold campaign's first verdicts are its cheapest, and none waits for every
+        config of every kernel."""
         reps = self._representatives_of(keys)
         later = [] if self.compiler is not None else reps
         for case, choice in (reps if self.compiler is not None else []):
@@ -533,7 +557,7 @@ class Fuzzer:
                 later.append((case, choice))    # every config: judged once all are in (or all are in already)
                 continue
             if choice == "tuned":
-                later.append((case, choice))    # and meanwhile under config 0
+                self._tuned_pending.append(case)
             first = 0 if choice == "tuned" else choice
             if self._out_of_budget():
                 return False
@@ -552,6 +576,30 @@ class Fuzzer:
                 return True
         return False
 
+    def _judge_tuned_pending(self) -> bool:
+        """Judge tuned the representatives judged under config 0 whose every config is in by now (between
+        rounds); True when a divergence stops the campaign."""
+        for case in [c for c in self._tuned_pending if self.compiler.wait(c, 0)]:
+            self._tuned_pending.remove(case)
+            if self._out_of_budget():
+                return False
+            if self._judge(case, "tuned"):
+                return True
+        return False
+
+    def _choice_for(self, key, case, choice):
+        """The config a drawn case of ``key`` runs under: a boundary key's under its config; a tuned one under
+        config 0 while its key's representative is still compiling (tuned, a case in this process would compile
+        every config of every kernel itself first), and counted (`FuzzReport.untuned_while_compiling`)."""
+        cfg = self.config
+        if key is not None and key.boundary is not None and cfg.autotune in ("tuned", "random"):
+            return key.boundary.config          # the config whose block this case straddles
+        if choice == "tuned" and key is not None and self.compiler is not None \
+                and not self.compiler.wait(key.case(backward=case.backward), 0):
+            self.report.untuned_while_compiling += 1
+            return 0
+        return choice
+
     def run(self) -> FuzzReport:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -569,13 +617,14 @@ class Fuzzer:
         entry = self.entries[0] if len(self.entries) == 1 else None
 
         def strategy(keys):
-            """(case, boundary or None, choice): from the round's compile keys, or drawn freely."""
+            """(case, boundary or None, choice, key or None): from the round's compile keys, or drawn freely."""
             if keys:
-                return st.sampled_from(keys).flatmap(lambda key: st.tuples(
-                    cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary), choices))
+                return _key_of_round(keys).flatmap(lambda key: st.tuples(
+                    cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary), choices,
+                    st.just(key)))
             return maybe_boundary(self.boundaries, self.bounds.boundary_rate).flatmap(lambda b: st.tuples(
                 cases(entry=entry, dtypes=cfg.dtypes, bounds=self.bounds, backward=self.backward, boundary=b),
-                st.just(b), choices))
+                st.just(b), choices, st.none()))
 
         class Stop(Exception):
             pass
@@ -589,10 +638,12 @@ class Fuzzer:
             if why:
                 stop_reason.append(why)
                 raise Stop()
-            case, boundary, choice = drawn
+            case, boundary, choice, key = drawn
             if case.entry not in self.entries:
                 return
-            if boundary is not None and cfg.autotune in ("tuned", "random"):
+            if key is not None:
+                choice = self._choice_for(key, case, choice)
+            elif boundary is not None and cfg.autotune in ("tuned", "random"):
                 choice = boundary.config        # the config whose block this case straddles
             if self._judge(case, choice, target):
                 stop_reason.append("divergence found")
@@ -640,6 +691,9 @@ class Fuzzer:
                     if examples <= 0:               # the keys' representative cases spent the example budget
                         break
                     before = self.report.tried
+                    if self.compiler is not None and self._judge_tuned_pending():
+                        stop_reason.append("divergence found")
+                        break
                     search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
                     if stop_reason or self._out_of_budget():
                         break

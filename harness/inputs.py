@@ -44,6 +44,8 @@ _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "
 _DRAW_BLOCK = 2 ** 18
 # `counter_variates`' normal: the inverse CDF interpolated between this many + 1 quantiles (tails cut at 4.32).
 _NORMAL_KNOTS = 2 ** 16
+# Variates `counter_variates` computes at a time.
+_VARIATE_SLAB = 2 ** 26
 
 CHUNK_SCAN_DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight",
@@ -183,19 +185,26 @@ def counter_variates(kind: str, count: int, key, device="cpu") -> torch.Tensor:
     """``count`` float64 variates on ``device``, element i a function of (i, ``key``) alone: two 32-bit words from
     keyed `_mix32` rounds of i (``key``: four integers below 2**32), then "normal" (the inverse CDF between
     `_normal_knots`, at a 16-bit knot and a 48-bit fraction), "uniform" ([0, 1), 53 bits) or "integer" (-2..2).
-    Integer operations and single IEEE roundings only, each its own operation: the same bits on every device."""
-    i = torch.arange(count, dtype=torch.int64, device=device)
-    low, high = i & 0xFFFFFFFF, i >> 32
-    first = _mix32(_mix32(low ^ key[0]) ^ high ^ key[1])
-    second = _mix32(_mix32(low ^ key[2]) ^ high ^ key[3])
-    if kind == "integer":
-        return (first % 5 - 2).to(torch.float64)
-    if kind == "uniform":
-        return ((first << 21) | (second >> 11)).to(torch.float64) * 2.0 ** -53
+    Integer operations and single IEEE roundings only, each its own operation: the same bits on every device.
+    Computed _VARIATE_SLAB elements at a time (a huge case's 2**31 variates would otherwise need several int64
+    temporaries of their size)."""
+    out = torch.empty(count, dtype=torch.float64, device=device)
     knots, steps = (t.to(device) for t in _normal_knots())
-    at = first >> 16
-    fraction = (((first & 0xFFFF) << 32) | second).to(torch.float64) * 2.0 ** -48
-    return knots[at] + steps[at] * fraction
+    for start in range(0, count, _VARIATE_SLAB):
+        i = torch.arange(start, min(count, start + _VARIATE_SLAB), dtype=torch.int64, device=device)
+        low, high = i & 0xFFFFFFFF, i >> 32
+        first = _mix32(_mix32(low ^ key[0]) ^ high ^ key[1])
+        second = _mix32(_mix32(low ^ key[2]) ^ high ^ key[3])
+        if kind == "integer":
+            part = (first % 5 - 2).to(torch.float64)
+        elif kind == "uniform":
+            part = ((first << 21) | (second >> 11)).to(torch.float64) * 2.0 ** -53
+        else:
+            at = first >> 16
+            fraction = (((first & 0xFFFF) << 32) | second).to(torch.float64) * 2.0 ** -48
+            part = knots[at] + steps[at] * fraction
+        out[start:start + i.numel()] = part
+    return out
 
 
 def draw(case, device="cpu", decay_only: bool = False) -> tuple:

@@ -17,8 +17,9 @@ round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign od
 is the best of SPREAD candidates at adding pairs of feature values its round lacks (`Pool.draw`), so that a
 round's few keys meet features together more often than independent draws would. Keys
 come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`; none for the layer entry, whose
-production slots take small keys) and "boundary" (one dimension at a block-size boundary of the implementation's
-configs, run with that config: harness/tiling.py).
+production slots take small keys), "boundary" (one dimension at a block-size boundary of the implementation's
+configs, run with that config: harness/tiling.py) and "huge" (2**31 elements or more in x or in the chunk states,
+forward chunk_scan cases judged on a slice: harness/huge.py; drawn by a production slot at the rate `Mix.huge`).
 
 Under the Triton interpreter nothing compiles: there is no pool and cases are drawn freely.
 """
@@ -30,10 +31,11 @@ import random
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from harness.huge import Huge
 from harness.strategies import Bounds, divisors
 from harness.tiling import Boundary
 
-KINDS = ("small", "production", "boundary")
+KINDS = ("small", "production", "boundary", "huge")
 
 
 def spec_class(n: int) -> tuple:
@@ -117,6 +119,11 @@ class CompileKey:
         """The tokens its cases decode one at a time (a decoded layer's layer_steps; 0 otherwise)."""
         return self.pinned.get("layer_steps", 0)
 
+    @property
+    def forward_only(self) -> bool:
+        """A decoded layer's cases and a huge key's (harness/huge.py) are forward only."""
+        return bool(self.steps) or self.kind == "huge"
+
     def fits(self, seqlen: int) -> bool:
         # the chunked kernels see the prefill (all of seqlen but the single-token steps)
         k = self.steps
@@ -145,14 +152,14 @@ class CompileKey:
     def case(self, backward: bool = False):
         """The key's representative for one pass: its own seqlen, its flags (two sequences per row where it
         has seq_idx; a forward-only flag off backward and a backward-only one off forward), values at their
-        defaults. A key whose cases are forward only (a decoded layer) has its forward representative for both
+        defaults. A key whose cases are forward only (`forward_only`) has its forward representative for both
         passes."""
         from harness.case import Case, Regime
 
         fields = dict(seqlen=self.seqlen, regime=Regime(layout=self.layout), **self.fixed())
         if self.entry == "layer":
             fields.update(return_final_states=False, rmsnorm_eps=1e-5)     # as layer_features draws them
-        backward = backward and not self.steps
+        backward = backward and not self.forward_only
         pin = self.pinned
         for name, value in pin.items():
             if name == "seq_idx":
@@ -214,11 +221,14 @@ class Production:
 
 @dataclass(frozen=True)
 class Mix:
-    """Which share of a round's keys is of each kind; ``size`` keys at a time."""
+    """Which share of a round's keys is of each kind; ``size`` keys at a time. ``huge``: the chance that a
+    production slot's draw is a huge key instead (harness/huge.py; chunk_scan only, none in a backward-only
+    campaign)."""
 
     size: int = 4
     production: float = 0.25
     boundary: float = 0.25
+    huge: float = 0.0
 
 
 class Pool:
@@ -226,14 +236,14 @@ class Pool:
 
     def __init__(self, entries, dtypes, bounds: Bounds, boundaries=(), mix: Mix = Mix(),
                  production: Production = Production(), seed: Optional[int] = None, fit=None,
-                 backward: Optional[bool] = None):
+                 backward: Optional[bool] = None, huge: Huge = Huge()):
         """``fit(case) -> Case or None``: the case with what the implementations cannot express switched off,
         or None when they cannot run it. A key is what its fitted representative is (a key whose representative
         cannot run is drawn again, up to 20 times), so that its cases, fitted the same way, keep its variant.
         ``backward``: the campaign's pass (True: backward only, so no key whose cases are forward only; None:
         mixed)."""
         self.entries, self.dtypes, self.bounds = tuple(entries), tuple(dtypes), bounds
-        self.boundaries, self.mix, self.production = tuple(boundaries), mix, production
+        self.boundaries, self.mix, self.production, self.huge = tuple(boundaries), mix, production, huge
         self.backward = backward
         self.rng = random.Random(seed)
         self.fit = fit or (lambda case: case)
@@ -346,10 +356,22 @@ class Pool:
         rng, b = self.rng, self.bounds
         entry, dtype = rng.choice(self.entries), rng.choice(self.dtypes)
         boundary = None
+        if kind == "production" and self.mix.huge and rng.random() < self.mix.huge:
+            kind = "huge"
+        if kind == "huge":              # forward chunk_scan cases only
+            kind, entry = ("huge", "chunk_scan") if "chunk_scan" in self.entries and self.backward is not True \
+                else ("production", entry)
         if kind == "production" and entry == "layer":
             # the float64 layer oracle, with every parameter's gradient, is too slow at model widths for a campaign
             kind = "small"
-        if kind == "production":
+        if kind == "huge":
+            hz = self.huge
+            headdim, dstate, chunk = rng.choice(hz.headdims), rng.choice(hz.dstates), rng.choice(hz.chunk_sizes)
+            nheads, batch = rng.choice(hz.nheads), rng.randint(1, hz.max_batch)
+            lo, hi = hz.seqlens(batch, nheads, headdim, dstate, chunk, rng.choice(("x", "chunk states")))
+            seqlen = rng.randint(lo, hi)
+            ngroups = rng.choice([g for g in (1, 8) if nheads % g == 0])
+        elif kind == "production":
             prod = self.production
             headdim, dstate = rng.choice(prod.headdims), rng.choice(prod.dstates)
             chunk = rng.choice(prod.chunk_sizes)
@@ -377,7 +399,8 @@ class Pool:
             ngroups = rng.choice(divisors(nheads))
             lo, hi = 1, b.max_seqlen
             seqlen = rng.randint(lo, hi)
-        layout = rng.choice(("contiguous", "strided")) if entry == "chunk_scan" else "contiguous"
+        # a huge key's cases are contiguous: the strided layout's wide tensor would be another copy of x
+        layout = rng.choice(("contiguous", "strided")) if entry == "chunk_scan" and kind != "huge" else "contiguous"
         mixer = {}
         flags = self._draw_flags(entry, batch, hi)
         if entry == "split_conv1d":

@@ -211,9 +211,10 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
         fields.update(draw(layer_features(shape["nheads"], shape["headdim"], key)))
         layouts = ("contiguous",)                       # a layer's input is one contiguous tensor
     fields["regime"] = draw(regimes(layouts))
-    # a key that pins decoding (layer_steps > 0) has forward cases only, whatever ``backward`` asks
+    # a key that pins decoding (layer_steps > 0), and a huge key, have forward cases only, whatever ``backward`` asks
     steps = (pin or {}).get("layer_steps")
-    do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode" and not steps
+    forward_only = key is not None and key.forward_only
+    do_backward = (draw(st.booleans()) if backward is None else backward) and entry != "decode" and not forward_only
     if do_backward:
         fields["pass_"] = "backward"
         fields["final_state_grad"] = fields["return_final_states"] and draw(_pinned(pin, "final_state_grad",

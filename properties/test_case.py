@@ -151,6 +151,17 @@ def test_counter_variates_are_pinned_bits_on_every_device(kind, device):
     assert counter_variates(kind, len(first), key, device).cpu().tolist() == first
 
 
+@pytest.mark.parametrize("kind", sorted(PINNED))
+def test_counter_variates_in_slabs_are_the_variates_at_once(kind, device, monkeypatch):
+    """Computed a slab at a time (a huge case's 2**31 variates), element i is still a function of i alone."""
+    from harness import inputs
+
+    key = PINNED[kind][0]
+    whole = inputs.counter_variates(kind, 1000, key, device)
+    monkeypatch.setattr(inputs, "_VARIATE_SLAB", 64)
+    assert torch.equal(inputs.counter_variates(kind, 1000, key, device), whole)
+
+
 def test_counter_normals_are_distinct_and_normal(device):
     """2**20 normals of one key: no value twice, and the normal's mean, variance and tail shares (the inverse CDF
     is cut at the outermost quantile, 4.32)."""

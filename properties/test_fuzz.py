@@ -336,6 +336,37 @@ def test_usage_errors_name_the_problem():
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))
 
 
+def test_a_tuned_case_runs_config_0_while_its_key_is_compiling(tmp_path, device):
+    """A drawn case of a key whose representative's configs are not all compiled yet runs under config 0 (tuned,
+    this process would compile every config of every kernel first), counted in the summary; tuned once they are
+    in; a boundary key's case under its config; drawn without a key (no pool), as drawn."""
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
+                               pool=True, compile_ahead=False, autotune="tuned", pass_="mixed",
+                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
+                               pool_mix=Mix(size=4, production=0.25, boundary=0.25)))
+    plain = next(k for k in fuzzer.pool.keys if k.boundary is None)
+    edge = next(k for k in fuzzer.pool.keys if k.boundary is not None)
+    compiled = set()
+
+    class Workers:
+        def wait(self, case, timeout, index=None):
+            return case in compiled
+
+    fuzzer.compiler = Workers()
+    case = plain.case(backward=True)
+    assert fuzzer._choice_for(plain, case, "tuned") == 0
+    assert fuzzer._choice_for(edge, edge.case(), "tuned") == edge.boundary.config
+    compiled.add(plain.case(backward=False))                 # the other pass's representative is not this one's
+    assert fuzzer._choice_for(plain, case, "tuned") == 0
+    compiled.add(case)
+    assert fuzzer._choice_for(plain, case, "tuned") == "tuned"
+    assert fuzzer._choice_for(plain, case, 3) == 3
+    assert fuzzer.report.untuned_while_compiling == 2
+    assert fuzzer.report.throughput()["untuned_while_compiling"] == 2
+    fuzzer.compiler = None
+    assert fuzzer._choice_for(plain, plain.case(), "tuned") == "tuned"
+
+
 @pytest.mark.parametrize("workers_up", [True, False])
 @pytest.mark.parametrize("compiling", [True, False])
 @pytest.mark.parametrize("autotune", ["tuned", 2])
@@ -343,8 +374,9 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
                                                                         workers_up):
     """With cases compiled ahead, each key's representative is judged once the config it runs under is in (or at
     once, compiled here, while the workers are still starting): one to be judged tuned meanwhile under config
-    0, then tuned once every config is in (straight away tuned where every config is in already); a boundary
-    key's under its config alone. Forward before backward, production shapes last in each pass."""
+    0, then tuned between rounds once every config is in, never waiting for them (straight away tuned where every
+    config is in already); a boundary key's under its config alone. Forward before backward, production shapes
+    last in each pass."""
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
                                pool=True, compile_ahead=False, autotune=autotune, pass_="mixed",
                                dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
@@ -358,7 +390,8 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
             submitted.extend(cases)
 
         def wait(self, case, timeout, index=None):
-            waited.append((case, index))
+            if timeout > 0:                                 # a wait, not a look
+                waited.append((case, index))
             return not compiling or timeout > 0
 
         def ready(self):
@@ -381,9 +414,14 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     at_boundary = [(case, key.boundary.config) for case, key in reps if key.boundary]
     tuned = [(case, "tuned") for case, key in reps if not key.boundary]
     if compiling:
-        assert judged == [(case, key.boundary.config if key.boundary else 0) for case, key in reps] + tuned
+        assert judged == [(case, key.boundary.config if key.boundary else 0) for case, key in reps]
+        assert fuzzer._tuned_pending == [case for case, _ in tuned]
+        assert fuzzer._judge_tuned_pending() is False and judged[len(reps):] == []     # still compiling
+        compiling = False
+        assert fuzzer._judge_tuned_pending() is False and judged[len(reps):] == tuned  # now every config is in
+        assert fuzzer._tuned_pending == []
+        assert not any((case, None) in waited for case, _ in tuned)     # never waited for every config
     else:
         assert judged == at_boundary + tuned
-    assert all((case, None) in waited for case, _ in tuned)
     assert not any((case, None) in waited for case, _ in at_boundary)
     assert all(((case, key.boundary.config) in waited) == waits_for_its_config for case, key in reps if key.boundary)
