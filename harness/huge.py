@@ -124,14 +124,19 @@ def room(case: Case, device) -> Optional[str]:
 @dataclass(frozen=True)
 class Huge:
     """The shapes of huge keys (harness/pool.py): model widths, and a seqlen that takes x (or the chunk states)
-    to between HUGE_ELEMENTS and ``margin`` times that."""
+    to between HUGE_ELEMENTS and ``margin`` times that. The chunk states (b, chunks, h, p, n) hold n / Q times x's
+    elements: x crosses first where dstate <= chunk, the chunk states where dstate > chunk (x then at half of it),
+    and the (dstate, chunk) pairs of each keep the other count at most x's (the device's memory)."""
 
     headdims: tuple = (64, 128)
-    dstates: tuple = (128, 256)
     nheads: tuple = (64, 80, 128)
-    chunk_sizes: tuple = (256, 128)
     max_batch: int = 2
     margin: float = 1.1
+
+    @staticmethod
+    def widths(crossing: str) -> tuple:
+        """The (dstate, chunk) pairs of a key whose ``crossing`` count passes HUGE_ELEMENTS first."""
+        return ((128, 256), (128, 128), (256, 256)) if crossing == "x" else ((256, 128),)
 
     def seqlens(self, batch: int, nheads: int, headdim: int, dstate: int, chunk: int, crossing: str) -> tuple:
         """(least, most) seqlen whose ``crossing`` count ("x" or "chunk states") is at least HUGE_ELEMENTS and at

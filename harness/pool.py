@@ -366,9 +366,10 @@ class Pool:
             kind = "small"
         if kind == "huge":
             hz = self.huge
-            headdim, dstate, chunk = rng.choice(hz.headdims), rng.choice(hz.dstates), rng.choice(hz.chunk_sizes)
+            crossing = rng.choice(("x", "chunk states"))
+            headdim, (dstate, chunk) = rng.choice(hz.headdims), rng.choice(hz.widths(crossing))
             nheads, batch = rng.choice(hz.nheads), rng.randint(1, hz.max_batch)
-            lo, hi = hz.seqlens(batch, nheads, headdim, dstate, chunk, rng.choice(("x", "chunk states")))
+            lo, hi = hz.seqlens(batch, nheads, headdim, dstate, chunk, crossing)
             seqlen = rng.randint(lo, hi)
             ngroups = rng.choice([g for g in (1, 8) if nheads % g == 0])
         elif kind == "production":

@@ -108,6 +108,10 @@ def test_huge_seqlens_cross_the_threshold_in_what_they_say(crossing):
         below = Case(entry="chunk_scan", batch=b, seqlen=lo - 1 if crossing == "x" else lo - q, nheads=h,
                      headdim=p, dstate=n, chunk_size=q)
         assert huge.elements(below)[crossing] < huge.HUGE_ELEMENTS
+    for n, q in shape.widths(crossing):         # the widths a key of this crossing takes: it crosses first
+        lo, _ = shape.seqlens(1, 64, 64, n, q, crossing)
+        counts = huge.elements(Case(entry="chunk_scan", seqlen=lo, nheads=64, headdim=64, dstate=n, chunk_size=q))
+        assert max(counts, key=counts.get) == crossing or counts["x"] == counts["chunk states"]
 
 
 def test_a_production_slot_draws_huge_keys_at_the_rate_asked(device):
