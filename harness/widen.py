@@ -5,8 +5,14 @@ own A, D, dt_bias, x, dt, z and state. So S inputs of one case are one case of S
 groups — input j's heads j * nheads .. (j + 1) * nheads - 1, its groups likewise, which keeps each head on its
 own input's groups — and each result is the widened result's j-th block of heads (or groups). The verdict needs
 the float64 oracle at a case's inputs and at its neighbour samples' (harness/baseline.py): one widened
-evaluation launches as many kernels as one of them. (The split_conv1d and layer entries mix heads in out_proj
-and in_proj: their inputs are evaluated one by one.)
+evaluation launches as many kernels as one of them.
+
+The fused mixer (split_conv1d) widens the same way channel by channel: its conv is depthwise, its norm per group
+of channels, its SwiGLU branch per channel, and out_proj becomes block-diagonal (input j's rows read only input
+j's channels; the other blocks are zeros, which add nothing in float64). Tensors that pack several parts on
+one axis (zxbcdt: [SwiGLU halves, z, x, B, C, dt]; the conv's channels [x, B, C]; the output before out_proj
+[SwiGLU, y]) widen part by part (`_parts`). (The layer entry's in_proj mixes the model's width: its inputs are
+evaluated one by one.)
 
     truth, *at_neighbours = widen.evaluate(oracle.evaluate, case, [inputs, near_1, near_2])
 """
@@ -22,7 +28,7 @@ from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.inputs import Inputs
 
-ENTRIES = ("chunk_scan", "decode")
+ENTRIES = ("chunk_scan", "decode", "split_conv1d")
 
 # The axis of heads (or groups) of every tensor of those entries, by name: inputs, outputs, gradients and stages
 # (harness/oracle/result.py's layouts) alike.
@@ -31,14 +37,72 @@ HEAD_AXIS = {"x": 2, "dt": 2, "A": 0, "B": 2, "C": 2, "D": 0, "z": 2, "dt_bias":
              "passed_states": 2, "CB": 2, "scan": 2, "skip": 2, "gated": 2}
 
 
+def _parts(name: str, case: Case) -> tuple:
+    """(axis, sizes): ``name``'s tensor of one input is its parts of these sizes along that axis, and the widened
+    tensor holds every input's part k side by side, part after part."""
+    if case.entry == "split_conv1d":
+        dim, gn, d0 = case.dim, case.ngroups * case.dstate, case.d_nonssm
+        mixer = {"zxbcdt": (-1, (d0, d0, dim, dim, gn, gn, case.nheads)), "conv1d_weight": (0, (dim, gn, gn)),
+                 "conv1d_bias": (0, (dim, gn, gn)), "conv": (-1, (dim, gn, gn)), "rmsnorm_weight": (0, (dim,)),
+                 "normed": (-1, (d0, dim)), "outproj_bias": (0, (case.out_dim,)),
+                 "y": (-1, (case.out_dim,) if case.out_dim is not None else (d0, dim))}
+        if name in mixer:
+            axis, sizes = mixer[name]
+            return axis, tuple(size for size in sizes if size)
+    return HEAD_AXIS[name], None
+
+
+def _widen(name: str, case: Case, tensors: list) -> torch.Tensor:
+    if name == "outproj_weight":                # block-diagonal: input j's rows read input j's channels only
+        return _block_diagonal(case, tensors)
+    axis, sizes = _parts(name, case)
+    if sizes is None:
+        return torch.cat(tensors, dim=axis)
+    pieces = [t.split(sizes, dim=axis) for t in tensors]
+    return torch.cat([piece[k] for k in range(len(sizes)) for piece in pieces], dim=axis)
+
+
+def _narrow(name: str, case: Case, wide: torch.Tensor, n: int, j: int) -> torch.Tensor:
+    """Input j's part of a widened result (a copy: a kept result must not hold the others' storage)."""
+    if name == "outproj_weight":
+        rows, cols = _outproj_blocks(case, n, j)
+        return wide[rows][:, cols].contiguous()
+    axis, sizes = _parts(name, case)
+    if sizes is None:
+        return wide.chunk(n, dim=axis)[j].contiguous()
+    parts = wide.split([n * size for size in sizes], dim=axis)
+    return torch.cat([part.chunk(n, dim=axis)[j] for part in parts], dim=axis).contiguous()
+
+
+def _outproj_blocks(case: Case, n: int, j: int) -> tuple:
+    """The rows and columns of input j's block of the widened out_proj weight (columns: its SwiGLU channels, then
+    its y channels)."""
+    d0, dim, out = case.d_nonssm, case.dim, case.out_dim
+    rows = torch.arange(j * out, (j + 1) * out)
+    cols = torch.cat([torch.arange(j * d0, (j + 1) * d0), n * d0 + torch.arange(j * dim, (j + 1) * dim)])
+    return rows, cols
+
+
+def _block_diagonal(case: Case, weights: list) -> torch.Tensor:
+    n, first = len(weights), weights[0]
+    wide = first.new_zeros(n * case.out_dim, n * (case.d_nonssm + case.dim))
+    for j, weight in enumerate(weights):
+        rows, cols = _outproj_blocks(case, n, j)
+        wide[rows[:, None], cols[None, :]] = weight
+    return wide
+
+
 def widened(inputs: list) -> Inputs:
-    """The Inputs of one case with ``len(inputs)`` times the heads and groups: each input's tensors side by side
-    on their head (group) axis, the cotangents repeated."""
+    """The Inputs of one case with ``len(inputs)`` times the heads and groups (and the mixer's widths): each
+    input's tensors side by side, the cotangents repeated."""
     first, n = inputs[0], len(inputs)
     case = first.case
     wide = dataclasses.replace(case, nheads=n * case.nheads, ngroups=n * case.ngroups)
-    values = {name: torch.cat([i.values[name] for i in inputs], dim=HEAD_AXIS[name]) for name in first.values}
-    cotangents = {name: torch.cat([v] * n, dim=HEAD_AXIS[name]) for name, v in first.grad_outputs.items()}
+    if case.entry == "split_conv1d":
+        wide = dataclasses.replace(wide, d_nonssm=n * case.d_nonssm,
+                                   out_dim=None if case.out_dim is None else n * case.out_dim)
+    values = {name: _widen(name, case, [i.values[name] for i in inputs]) for name in first.values}
+    cotangents = {name: _widen(name, case, [v] * n) for name, v in first.grad_outputs.items()}
     return dataclasses.replace(first, case=wide, values=values, grad_outputs=cotangents)
 
 
@@ -52,8 +116,7 @@ def evaluate(evaluator: Callable[[Case, Inputs], Evaluation], case: Case, inputs
     n = len(inputs)
 
     def part(d: dict, j: int) -> dict:
-        # copies, not views: a kept result must not hold the others' storage
-        return {name: t.chunk(n, dim=HEAD_AXIS[name])[j].contiguous() for name, t in d.items()}
+        return {name: _narrow(name, case, t, n, j) for name, t in d.items()}
 
     return [Evaluation(part(result.outputs, j), part(result.grads, j), part(result.stages, j), list(result.notes))
             for j in range(n)]

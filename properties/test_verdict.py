@@ -250,7 +250,20 @@ def test_a_folded_evaluation_gives_each_sample_as_evaluated_alone(case, device):
                 assert gap <= 0.1 * spread, (field, name, gap, spread)
 
 
-@pytest.mark.parametrize("case", [c for c in FOLDED_CASES if c.entry in widen.ENTRIES], ids=lambda c: c.entry)
+# the fused mixer's parts side by side: no out_proj with a SwiGLU branch, and out_proj without one; final states
+# from initial ones, sequences, the norm after the gate, D per channel
+WIDENED_CASES = [c for c in FOLDED_CASES if c.entry in widen.ENTRIES] + [
+    Case(entry="split_conv1d", batch=2, seqlen=11, nheads=3, ngroups=3, headdim=2, dstate=3, chunk_size=4,
+         D="channel", has_dt_bias=True, dt_softplus=True, rmsnorm=True, norm_before_gate=False, d_nonssm=3,
+         out_dim=None, initial_states=True, return_final_states=True, final_state_grad=True,
+         segments=((5, 6), (11,)), pass_="backward", seed=7),
+    Case(entry="split_conv1d", batch=1, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=2, chunk_size=4,
+         dtype="bfloat16", D="head", has_dt_bias=True, dt_softplus=True, activation="identity", d_nonssm=0,
+         out_dim=3, initial_states=True, return_final_states=True, pass_="backward", seed=8),
+]
+
+
+@pytest.mark.parametrize("case", WIDENED_CASES, ids=lambda c: f"{c.entry}-{c.seed}")
 def test_the_oracle_side_by_side_is_the_oracle_one_by_one(case, device):
     # the truth and the oracle at the neighbour inputs come from one evaluation with their heads side by side
     inputs = materialize(case, device)
