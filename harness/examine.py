@@ -189,8 +189,8 @@ class Examiner:
         after_oracle = self._synchronized()
         self.baseline_evaluations += 1
         samples = baseline.evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
-        self._phases.update(inputs=self._phases.get("inputs", 0.0) + after_inputs - start,
-                            oracle=after_oracle - after_inputs, baseline=self._synchronized() - after_oracle)
+        self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
+                            baseline=self._synchronized() - after_oracle)
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found
@@ -271,7 +271,7 @@ class Examiner:
             del whole
             whole = None
             runtime.release_memory()
-        self._phases["inputs"] = self._synchronized() - start
+        drawn = self._synchronized() - start
         verdicts, results, launches, runs = {}, {}, {}, {}
         for spec in sides:
             index, needed = (0 if choice == "sweep" else choice), 1     # "sweep": every config index
@@ -289,6 +289,7 @@ class Examiner:
         del whole
         runtime.release_memory()
         ev = runtime.retry_on_oom(lambda: self.evidence(case, sliced), "ssdiff's evidence of a huge case's slice")
+        self._phases["inputs"] += drawn         # drawing the whole case (its slice's inputs were given)
         for spec, tried in runs.items():
             for index, run in tried:
                 if run.status != "ok":
