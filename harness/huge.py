@@ -28,12 +28,14 @@ import torch
 from harness.case import Case
 from harness.evaluation import Evaluation
 from harness.inputs import Inputs
+from harness.widen import HEAD_AXIS
 
 HUGE_ELEMENTS = 2 ** 31
 
-# How each input and output of the chunk_scan entry is laid out: which axes the slice indexes.
-_BY_HEAD = {"x": "bLh", "z": "bLh", "dt": "bLh", "A": "h", "dt_bias": "h", "D": "h", "B": "bLg", "C": "bLg",
-            "initial_states": "bh", "y": "bLh", "final_states": "bh", "varlen_states": "sh"}
+# The tensors indexed by group, not head; every tensor with a head (group) axis past the first has the batch
+# first, but the per-sequence states
+_BY_GROUP = frozenset({"B", "C"})
+_NOT_BY_ROW = frozenset({"varlen_states"})
 
 
 def elements(case: Case) -> dict:
@@ -63,13 +65,15 @@ def _groups(case: Case, heads: tuple) -> list:
 
 
 def _take(name: str, t: torch.Tensor, case: Case, row: int, heads: tuple) -> torch.Tensor:
-    layout = _BY_HEAD.get(name)
-    if layout is None:
-        raise ValueError(f"harness/huge.py does not know how to slice {name!r}: add its layout to _BY_HEAD")
-    index = torch.tensor(_groups(case, heads) if layout.endswith("g") else list(heads), device=t.device)
-    if layout.startswith("b"):
+    """``name``'s tensor at the slice: its batch row, and its heads (or their groups) on its head axis."""
+    axis = HEAD_AXIS.get(name)
+    if axis is None:
+        raise ValueError(f"harness/huge.py does not know how to slice {name!r}: its head axis is not in "
+                         f"harness/widen.py's HEAD_AXIS")
+    index = torch.tensor(_groups(case, heads) if name in _BY_GROUP else list(heads), device=t.device)
+    if axis > 0 and name not in _NOT_BY_ROW:
         t = t[row:row + 1]
-    return t.index_select(len(layout) - 1, index)           # the last axis named: heads, groups
+    return t.index_select(axis, index)
 
 
 def slice_inputs(inputs: Inputs, row: int, heads: tuple) -> Inputs:

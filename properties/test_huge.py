@@ -114,7 +114,7 @@ def test_huge_seqlens_cross_the_threshold_in_what_they_say(crossing):
         assert max(counts, key=counts.get) == crossing or counts["x"] == counts["chunk states"]
 
 
-def test_a_production_slot_draws_huge_keys_at_the_rate_asked(device):
+def test_a_production_slot_draws_huge_keys_at_the_rate_asked():
     """Mix.huge: production slots draw forward chunk_scan keys past the threshold, contiguous; none in a backward
     campaign or without the chunk_scan entry; none at rate 0."""
     bounds = Bounds()

@@ -44,6 +44,7 @@ from harness import known, upstream  # noqa: E402
 from harness.case import Case, Regime  # noqa: E402
 from harness.examine import Examiner, Outcome  # noqa: E402
 from harness.features import without  # noqa: E402
+from harness.fuzz import tf32_hint  # noqa: E402
 from harness.impls import all_implementations, get  # noqa: E402
 from harness.impls.generic import CallableImplementation  # noqa: E402
 from harness.inputs import materialize  # noqa: E402
@@ -92,7 +93,7 @@ def tf32_replay(name: str, case: Case, choice: runtime.Choice, device: str, fold
     fresh process under TRITON_F32_DEFAULT=ieee (exact float32 dots in the kernels, and the budget modelled for
     them), the procedure TF32_LIMIT prescribes. What the replay printed when it is within budget there (the loss
     is TF32's, which the model does not reproduce at such elements), else None: the divergence stands."""
-    if case.dtype != "float32" or torch.device(device).type != "cuda" or runtime.fp32_dot() != "tf32":
+    if tf32_hint(case, device) is None:
         return None
     path = folder / f"tf32-{case.seed}-{abs(hash(case.to_json())) % 10 ** 8}.json"
     path.write_text(case.to_json())
