@@ -19,17 +19,6 @@ from harness.known import BY_ID, DEFECTS, installed_version
 
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
-# Divergences harness/repro.py cannot show yet (strict: once it can, regenerate and drop the entry).
-_WHOLE_TENSOR_BUDGET = (
-    "its repro.py, written on the H200 before repro.py watched elements one by one (harness/repro.py "
-    "watched_elements), holds each tensor's largest error to its largest budget alone: the ragged chunk's "
-    "final-state error (1.22 where that element's budget is 0.681) is under another element's budget (3.32), so it "
-    "exits 0 where ssdiff's per-element verdict diverges. Written again on a GPU (python -m harness.findings), it "
-    "watches that element")
-REPRO_CANNOT_SHOW = {
-    "mamba-ragged-chunk-final-state-decay": _WHOLE_TENSOR_BUDGET,
-    "vllm-ragged-chunk-final-state-decay": _WHOLE_TENSOR_BUDGET,
-}
 # Implementations harness/repro.py writes through ssdiff's registry (no standalone writer for them yet): their
 # repro.py needs ssdiff installed.
 THROUGH_THE_REGISTRY = ("vllm.",)
@@ -68,7 +57,7 @@ def _ssdiff_installed(tmp_path) -> bool:
 
 
 @pytest.mark.parametrize("defect_id, where, version", _repro_params())
-def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version, request,
+def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect_id, where, version,
                                                                          tmp_path):
     defect = BY_ID[defect_id]
     found = findings.read_finding(defect_id)
@@ -84,8 +73,6 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
     device = found.get("device", "cpu")
     if device != "cpu" and not torch.cuda.is_available():
         pytest.skip(f"its repro.py was written for {device} (the example diverges there only)")
-    if expected == 1 and defect_id in REPRO_CANNOT_SHOW:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=REPRO_CANNOT_SHOW[defect_id]))
     if found["has_repro"] and found["implementation"].startswith(THROUGH_THE_REGISTRY) \
             and not _ssdiff_installed(tmp_path):
         pytest.skip("its repro.py reaches the implementation through ssdiff's registry, and ssdiff is not installed "

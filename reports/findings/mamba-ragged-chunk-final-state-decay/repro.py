@@ -4,12 +4,12 @@
     case      chunk_scan b=1 L=2686 h=4 p=4 g=1 n=8 Q=128 | float32 dt_bias decay=strong dt>20 forward | seed=5
     sides     mamba_ssm.chunk_scan_combined
     found on  cuda (GPU NVIDIA H200; dtypes float32, float16, bfloat16; fp32 dot tf32; autotune tuned (benchmarked); sm_count device); torch 2.11.0+cu130, triton 3.6.0, mamba-ssm 2.3.2.post1
-    mamba_ssm.chunk_scan_combined: output final_states diverges from the float64 oracle: 10 / 128 elements (7.8%) out of budget.
-      Greatest error 1.22 at index (0, 0, 0, 7) (batch 0, head 0, group 0, p 0, n 7): actual 72.0442, expected 73.2652; budget there 0.681 (ratio 1.79x).
-      Relative RMS error 0.0141 (same-precision baseline 0.00747); max abs error 1.22.
     mamba_ssm.chunk_scan_combined: stage chunk_states diverges from the float64 oracle: 10 / 2,688 elements (0.4%) out of budget.
       Greatest error 1.22 at index (0, 20, 0, 0, 7) (batch 0, chunk 20, head 0, group 0, p 0, n 7): actual 72.0442, expected 73.2652; budget there 0.681 (ratio 1.79x).
-      Relative RMS error 0.00424 (same-precision baseline 0.00288); max abs error 1.22.
+      Relative RMS error 0.00424 (same-precision baseline 0.00223); max abs error 1.22.
+    mamba_ssm.chunk_scan_combined: output final_states diverges from the float64 oracle: 10 / 128 elements (7.8%) out of budget.
+      Greatest error 1.22 at index (0, 0, 0, 7) (batch 0, head 0, group 0, p 0, n 7): actual 72.0442, expected 73.2652; budget there 0.681 (ratio 1.79x).
+      Relative RMS error 0.0141 (same-precision baseline 0.00441); max abs error 1.22.
 
 Run it with nothing but torch, triton, mamba-ssm, einops installed:
 
@@ -17,7 +17,7 @@ Run it with nothing but torch, triton, mamba-ssm, einops installed:
 
 The inputs are drawn from the case's seed exactly as ssdiff drew them; the float64 oracle below is a
 token-by-token evaluation of the SSD map (SPEC: S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t).
-Written by ssdiff not installed on 2026-12-03.
+Written by ssdiff 0.1.0 on 2026-12-03.
 """
 
 import math
@@ -63,66 +63,119 @@ CASE = {'entry': 'chunk_scan',
 DEVICE = "cuda"
 # The largest error the oracle's verdict allowed on each judged tensor for this case (ssdiff's per-element
 # budget: a same-precision baseline's error times 4.0, plus a rounding floor; the maximum over elements).
-ALLOWED = {"final_states": 3.3175923366658697, "y": 6.1364098473877915}
+ALLOWED = {"final_states": 1.897912877037571, "y": 6.1365319177002915}
+# The elements ssdiff found out of their own budgets ([flat index, allowed error], the furthest over first; at
+# most 32 a tensor): each is held to its budget, which can be far below the largest one above.
+WATCHED = {"final_states": [[7, 0.6808213590096696], [3, 0.6808212436594769], [31, 0.6808212723545727], [27, 0.6808211575766155], [4, 0.6808195322257593], [28, 0.6808194546330728], [1, 0.6808142920886098], [15, 0.6808141400597545], [11, 0.6808140723806196], [25, 0.6808142404914846]]}
 
 
 # ---- the inputs: ssdiff's own drawing function, verbatim -------------------------------------------------
+import functools
+import statistics
+
 TORCH_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16, 'float32': torch.float32}
 _DT_CENTER = {'mild': -3.0, 'none': -3.0, 'strong': 0.5, 'typical': -3.0}
 _A_RANGE = {'mild': (0.05, 0.5),
  'none': (1e-05, 0.0001),
  'strong': (30.0, 60.0),
  'typical': (1.0, 16.0)}
-_DRAW_BLOCK = 1048576
+_DRAW_BLOCK = 262144
+_NORMAL_KNOTS = 65536
+_VARIATE_SLAB = 67108864
 
 
-def draw(case) -> tuple:
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective avalanche hash of 32-bit values held in int64 (lowbias32: xor-shifts and two odd multipliers);
+    the products are taken modulo 2**32 in 16-bit halves, so no intermediate leaves int64 on any device."""
+    def times(v, c):
+        return (v * (c & 0xFFFF) + (((v * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    x = times(x ^ (x >> 16), 0x7FEB352D)
+    x = times(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@functools.lru_cache(maxsize=1)
+def _normal_knots() -> tuple:
+    """The normal's quantiles at (k + 0.5) / (_NORMAL_KNOTS + 1), k = 0.._NORMAL_KNOTS, and the steps between
+    neighbours, as float64 CPU tensors: Python's own arithmetic (statistics.NormalDist), mirrored about 0."""
+    normal, half = statistics.NormalDist(), _NORMAL_KNOTS // 2
+    low = [normal.inv_cdf((k + 0.5) / (_NORMAL_KNOTS + 1)) for k in range(half)]
+    knots = low + [0.0] + [-v for v in reversed(low)]
+    steps = [b - a for a, b in zip(knots, knots[1:])]
+    return torch.tensor(knots[:-1], dtype=torch.float64), torch.tensor(steps, dtype=torch.float64)
+
+
+def counter_variates(kind: str, count: int, key, device="cpu") -> torch.Tensor:
+    """``count`` float64 variates on ``device``, element i a function of (i, ``key``) alone: two 32-bit words from
+    keyed `_mix32` rounds of i (``key``: four integers below 2**32), then "normal" (the inverse CDF between
+    `_normal_knots`, at a 16-bit knot and a 48-bit fraction), "uniform" ([0, 1), 53 bits) or "integer" (-2..2).
+    Integer operations and single IEEE roundings only, each its own operation: the same bits on every device.
+    Computed _VARIATE_SLAB elements at a time (a huge case's 2**31 variates would otherwise need several int64
+    temporaries of their size)."""
+    out = torch.empty(count, dtype=torch.float64, device=device)
+    knots, steps = (t.to(device) for t in _normal_knots())
+    for start in range(0, count, _VARIATE_SLAB):
+        i = torch.arange(start, min(count, start + _VARIATE_SLAB), dtype=torch.int64, device=device)
+        low, high = i & 0xFFFFFFFF, i >> 32
+        first = _mix32(_mix32(low ^ key[0]) ^ high ^ key[1])
+        second = _mix32(_mix32(low ^ key[2]) ^ high ^ key[3])
+        if kind == "integer":
+            part = (first % 5 - 2).to(torch.float64)
+        elif kind == "uniform":
+            part = ((first << 21) | (second >> 11)).to(torch.float64) * 2.0 ** -53
+        else:
+            at = first >> 16
+            fraction = (((first & 0xFFFF) << 32) | second).to(torch.float64) * 2.0 ** -48
+            part = knots[at] + steps[at] * fraction
+        out[start:start + i.numel()] = part
+    return out
+
+
+def draw(case, device="cpu", decay_only: bool = False) -> tuple:
     """The float64 values of every input (rounded once through its dtype), their dtypes, and the cotangents
-    of backward cases: (values, dtypes, grad_outputs), drawn on the CPU from ``case.seed``.
+    of backward cases: (values, dtypes, grad_outputs) on ``device``, drawn from ``case.seed``; the same numbers
+    for any ``device``. ``decay_only``: A, dt and dt_bias alone (the first drawn, so the same values), what the
+    decay conditions of harness/known.py read.
 
-    Self-contained on purpose (torch, math, os and this module's constants only; ``case`` may be any object with
-    the Case's attributes): repro.py files inline this very function, so a repro sees the numbers ssdiff saw.
+    Self-contained on purpose (torch, math and this module's constants and counter functions only; ``case`` may be
+    any object with the Case's attributes): repro.py files inline this very function, so a repro sees the numbers
+    ssdiff saw.
     """
     gen = torch.Generator().manual_seed(case.seed)
     act = TORCH_DTYPES[case.dtype]
     r = case.regime
 
-    def sample(fill, shape, dtype=torch.float64):
-        """``fill(out, generator)`` over a new tensor of ``shape``: from ``gen``, or blockwise (_DRAW_BLOCK)."""
+    def sample(kind, shape):
+        """``shape`` variates of ``kind`` (as `counter_variates`): on the CPU from ``gen``, or, past _DRAW_BLOCK
+        elements, `counter_variates` on ``device`` keyed from ``gen``."""
         count = math.prod(shape)
-        out = torch.empty(count, dtype=dtype)
-        if count <= _DRAW_BLOCK:
-            fill(out, gen)
-            return out.reshape(shape)
-        from concurrent.futures import ThreadPoolExecutor
-
-        seeds = torch.randint(0, 2 ** 62, (-(-count // _DRAW_BLOCK),), generator=gen).tolist()
-        blocks = [(out[i * _DRAW_BLOCK:(i + 1) * _DRAW_BLOCK], torch.Generator().manual_seed(s))
-                  for i, s in enumerate(seeds)]
-        with ThreadPoolExecutor(max_workers=min(8, len(blocks), os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda block: fill(*block), blocks))
-        return out.reshape(shape)
+        if count > _DRAW_BLOCK:
+            key = torch.randint(0, 2 ** 32, (4,), generator=gen).tolist()
+            return counter_variates(kind, count, key, device).reshape(shape)
+        if kind == "integer":
+            return torch.randint(-2, 3, (count,), generator=gen).to(torch.float64).reshape(shape)
+        fill = torch.randn if kind == "normal" else torch.rand
+        return fill(count, generator=gen, dtype=torch.float64).reshape(shape)
 
     def normal(*shape, std=1.0, mean=0.0):
-        return sample(lambda out, g: torch.randn(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
-            * std + mean
+        return sample("normal", shape) * std + mean
 
     def uniform(*shape, lo=0.0, hi=1.0):
-        return sample(lambda out, g: torch.rand(out.shape, generator=g, dtype=torch.float64, out=out), shape) \
-            * (hi - lo) + lo
+        return sample("uniform", shape) * (hi - lo) + lo
 
     def values(*shape):
-        if r.values == "integer":
-            return sample(lambda out, g: torch.randint(-2, 3, out.shape, generator=g, out=out), shape,
-                          torch.int64).to(torch.float64)
-        return normal(*shape) * r.scale
+        return sample("integer", shape) if r.values == "integer" else normal(*shape) * r.scale
+
+    def cat(parts, dim):
+        return torch.cat([t.to(device) for t in parts], dim=dim)
 
     b, L, h, p, g, n = case.batch, case.seqlen, case.nheads, case.headdim, case.ngroups, case.dstate
     vals, dtypes = {}, {}
 
     def put(name, tensor, dtype):
         # Round once through the dtype implementations get, keep float64.
-        vals[name] = tensor.to(dtype).to(torch.float64)
+        vals[name] = tensor.to(device).to(dtype).to(torch.float64)
         dtypes[name] = dtype
 
     # A: per-head decay rate, negative.
@@ -137,17 +190,23 @@ def draw(case) -> tuple:
             dt_raw = dt_raw + center / 2
         if r.dt_large:
             # Half the heads (at least one) above the softplus threshold 20, where softplus is the identity.
-            big = torch.arange(h) % 2 == 0
-            shift = torch.where(big, torch.tensor(22.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+            shift = (torch.arange(h) % 2 == 0).to(torch.float64) * 22.0
             if case.has_dt_bias:
                 dt_bias = dt_bias + shift
             else:
-                dt_raw = dt_raw + shift
+                dt_raw = dt_raw + shift.to(dt_raw.device)
     else:
-        dt_raw = F.softplus(normal(b, L, h, mean=center, std=1.0))
+        # on the CPU, like every transcendental here: a device's softplus may differ from the CPU's in the last bit
+        dt_raw = F.softplus(normal(b, L, h, mean=center, std=1.0).cpu())
         dt_bias = normal(h, std=0.02)
         if r.dt_large:
             dt_raw = dt_raw + 22.0 * (torch.arange(h) % 2 == 0)
+    if decay_only:
+        put("A", A, torch.float32)
+        put("dt", dt_raw, act)
+        if case.has_dt_bias:
+            put("dt_bias", dt_bias, torch.float32)
+        return vals, dtypes, {}
 
     if case.entry in ("chunk_scan", "decode"):
         put("x", values(b, L, h, p), act)
@@ -170,7 +229,7 @@ def draw(case) -> tuple:
         # in_proj rows [SwiGLU branch, z, xBC, dt]: unit-variance outputs, the dt rows at std 0.7 (as dt above)
         rows = 2 * case.d_nonssm + dim + conv_ch
         std = 1.0 / math.sqrt(d_model)
-        weight = torch.cat([normal(rows, d_model, std=std), normal(h, d_model, std=0.7 * std)], dim=0)
+        weight = cat([normal(rows, d_model, std=std), normal(h, d_model, std=0.7 * std)], dim=0)
         put("in_proj_weight", weight, act)
         if case.bias:
             put("in_proj_bias", normal(rows + h, std=0.1), act)
@@ -191,7 +250,7 @@ def draw(case) -> tuple:
         zx0 = values(b, L, 2 * case.d_nonssm)
         z = values(b, L, dim)
         xBC = values(b, L, conv_ch)
-        put("zxbcdt", torch.cat([zx0, z, xBC, dt_raw], dim=-1), act)
+        put("zxbcdt", cat([zx0, z, xBC, dt_raw], dim=-1), act)
         put("conv1d_weight", normal(conv_ch, case.conv_width, std=1.0 / math.sqrt(case.conv_width)), act)
         put("conv1d_bias", normal(conv_ch, std=0.1), act)
         put("dt_bias", dt_bias, torch.float32)
@@ -210,13 +269,13 @@ def draw(case) -> tuple:
 
     grad_outputs = {}
     if case.backward:
-        grad_outputs["y"] = normal(*y_shape).to(act).to(torch.float64)
+        grad_outputs["y"] = normal(*y_shape).to(device).to(act).to(torch.float64)
         if case.padding:
             # Outputs at padding tokens are unspecified (not judged): no cotangent may carry them into gradients.
             real = torch.arange(L)[None, :] < torch.tensor([L - pad for pad in case.padding])[:, None]
-            grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2))
+            grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2)).to(device)
         if case.final_state_grad:
-            grad_outputs["final_states"] = normal(b, h, p, n).to(torch.float32).to(torch.float64)
+            grad_outputs["final_states"] = normal(b, h, p, n).to(device).to(torch.float32).to(torch.float64)
     return vals, dtypes, grad_outputs
 
 
@@ -291,8 +350,7 @@ DT_LIMIT = tuple(float(v) for v in CASE["dt_limit"]) if CASE["dt_limit"] is not 
 
 
 # ---- what the implementation under test needs to run here  ----
-# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning), as
-# ssdiff judged it: the divergence depends on the config the autotuner picks.
+# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): as ssdiff judged it (the divergence depends on the config the autotuner picks).
 CONFIG_INDEX = 3
 
 
@@ -568,7 +626,7 @@ DIFFERENTIABLE = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states
 def main():
     global BACKWARD, GRAD_OUTPUTS
     case = case_object()
-    values, dtypes, GRAD_OUTPUTS = draw(case)
+    values, dtypes, GRAD_OUTPUTS = draw(case, DEVICE)
     BACKWARD = case.backward
     GRAD_OUTPUTS = {k: v.to(DEVICE) for k, v in GRAD_OUTPUTS.items()}
     seq = seq_idx_of(case)
@@ -598,6 +656,16 @@ def main():
             verdict = "OUT OF BUDGET" if out else "within budget"
             print(f"{name:>40} {key}: max |error| vs oracle {err:.4g} (allowed {allowed:.3g}): {verdict}")
             diverged |= out
+        for name, res in results.items():
+            got, want = res[key].double().cpu().flatten(), truth[key].double().cpu().flatten()
+            over = [(i, (got[i] - want[i]).abs().item(), limit) for i, limit in WATCHED.get(key, [])
+                    if i < got.numel() and not (got[i] - want[i]).abs().item() <= limit]
+            for i, err, limit in over[:4]:
+                print(f"{name:>40} {key}: element {i} (flat): {got[i].item():.6g} where the oracle gives "
+                      f"{want[i].item():.6g}, error {err:.4g} (allowed {limit:.3g}): OUT OF BUDGET")
+            if WATCHED.get(key):
+                print(f"{name:>40} {key}: {len(over)} of the {len(WATCHED[key])} watched elements out of budget")
+            diverged |= bool(over)
         if len(results) == 2:
             (na, ra), (nb, rb) = results.items()
             diff = (judged(key, ra[key]) - judged(key, rb[key])).abs().max().item()
