@@ -11,7 +11,9 @@ it draws the compile keys the cold run compiled (more, where it gets further); t
 finished are recorded in that cache and not run again (harness/precompile.py). Columns: cases judged
 per minute of search, the time to the first judged case from the process's start (imports, compiling and the
 first case's judgement included), the share at production shapes (seqlen >= 2048 and dstate >= 128), and the largest
-ratio to budget any case reached. Results for the H200 and the CPU: harness/BENCHMARKS.md.
+ratio to budget any case reached. A second table gives the warm campaigns' required factors (median, 99th
+percentile and maximum, from summary.json: the figures harness/calibrate.py collects), so that a benchmark run is
+also a calibration run of its dtype. Results for the H200 and the CPU: harness/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,7 +52,17 @@ def campaign(impl: str, pass_: str, dtype: str, budget: float, cache: str, out: 
             round(t["first_judged_after_s"] + t.get("setup_s", 0.0), 2),
             "production": t.get("production_shape_cases"),
             "largest_ratio": worst, "divergences": len(summary.get("divergences", [])),
-            "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])), "wall_s": round(wall, 1)}
+            "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])), "wall_s": round(wall, 1),
+            "required_factor": {key.split(" ", 1)[1]: spread for key, spread in
+                                (summary.get("required_factor_by_side") or {}).items() if key.split(" ")[0] == impl}}
+
+
+def _target(text: str) -> tuple:
+    """NAME[:PASS] -> (name, pass); a NAME may hold a colon itself (``module:function``)."""
+    from harness.fuzz import PASSES
+
+    name, _, pass_ = text.rpartition(":")
+    return (name, pass_) if name and pass_ in PASSES else (text, "mixed")
 
 
 def main(argv=None) -> int:
@@ -69,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("fuzz_args", nargs="*", help="after --: more `ssdiff fuzz` arguments")
     args = parser.parse_args(argv)
-    targets = [tuple(s.split(":")) if ":" in s else (s, "mixed") for s in args.impl] if args.impl else DEFAULT
+    targets = [_target(s) for s in args.impl] if args.impl else DEFAULT
     root = args.cache_root or tempfile.mkdtemp(prefix="ssdiff-bench-")
     rows = []
     for impl, pass_ in targets:
@@ -112,7 +124,20 @@ def print_table(rows, budget, cold_budget=None):
                       cell(warm, "largest_ratio", "{:.3g}"),
                       f"{warm.get('divergences', '-')} (+{warm.get('known', 0)} known)"
                       if "error" not in warm else "; ".join(warm["error"]))
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    # what the warm campaigns' cases used of their budgets: harness/calibrate.py's figures, for these campaigns
+    factors = Table(title="required factor (ratio x FACTOR) of the warm campaigns' cases, no known defect's")
+    for col in ("implementation", "dtype", "cases", "outputs median / p99 / max", "gradients median / p99 / max"):
+        factors.add_column(col)
+    spread = lambda s: "-" if not s or not s["verdicts"] else \
+        " / ".join(f"{s[k]:.3g}" for k in ("median", "p99", "max")) + f" ({s['verdicts']})"
+    for r in rows:
+        for dtype, groups in (r["warm"].get("required_factor") or {}).items():
+            factors.add_row(r["impl"], dtype, str(r["warm"].get("judged")), spread(groups.get("outputs")),
+                            spread(groups.get("gradients")))
+    if factors.row_count:
+        console.print(factors)
 
 
 if __name__ == "__main__":

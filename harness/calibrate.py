@@ -34,22 +34,10 @@ from typing import Callable, Optional
 
 from harness import known
 from harness.fuzz import PASSES, FuzzConfig, Fuzzer
-from harness.verdict import FACTOR
+from harness.verdict import FACTOR, REQUIRED_GROUPS, factor_spread, required_factors
 
-KINDS = {"output": "outputs", "grad": "gradients"}
 WORST_KEPT = 10
 CHECKPOINT = 100
-
-
-def quantile(values: list, q: float) -> Optional[float]:
-    """The ``q`` quantile of ``values`` (linear between order statistics), None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 @dataclass
@@ -62,7 +50,7 @@ class Row:
     factor: float = FACTOR
     cases: int = 0
     skipped: int = 0
-    required: dict = field(default_factory=lambda: {kind: [] for kind in KINDS.values()})
+    required: dict = field(default_factory=lambda: {group: [] for group in REQUIRED_GROUPS.values()})
     divergences: list = field(default_factory=list)      # undeclared: no known defect explains them
     known: dict = field(default_factory=dict)             # defect id -> cases it explained
     worst: list = field(default_factory=list)             # the WORST_KEPT largest required factors
@@ -77,13 +65,9 @@ class Row:
             if defect is not None:
                 self.known[defect.id] = self.known.get(defect.id, 0) + 1
                 continue
-            for tv in verdict.tensors:
-                kind = KINDS.get(tv.kind)
-                if kind is None or tv.status not in ("ok", "diverged") or not math.isfinite(tv.ratio):
-                    continue
-                required = tv.ratio * self.factor
-                self.required[kind].append(required)
-                self.worst.append({"required": required, "side": side, "tensor": tv.name, "case": case.describe(),
+            for group, tensor, required in required_factors(verdict, self.factor):
+                self.required[group].append(required)
+                self.worst.append({"required": required, "side": side, "tensor": tensor, "case": case.describe(),
                                    "case_dict": case.to_dict()})
             self.worst = sorted(self.worst, key=lambda w: -w["required"])[:WORST_KEPT]
             if verdict.ok:
@@ -93,8 +77,7 @@ class Row:
                                      "message": verdict.message(), "case": case.to_dict()})
 
     def summary(self) -> dict:
-        stats = {kind: {"verdicts": len(v), "median": quantile(v, 0.5), "p99": quantile(v, 0.99),
-                        "max": max(v) if v else None} for kind, v in self.required.items()}
+        stats = {group: factor_spread(v) for group, v in self.required.items()}
         return {"impl": self.impl, "device": self.device, "dtype": self.dtype, "factor": self.factor,
                 "cases": self.cases, "skipped": self.skipped,
                 "tensor_verdicts": sum(len(v) for v in self.required.values()), "required_factor": stats,

@@ -38,7 +38,7 @@ from harness.examine import PHASES, Examiner, Outcome, UsageError
 from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases, maybe_boundary
-from harness.verdict import FACTOR, PROCESS_FAILURES, budget_rule
+from harness.verdict import FACTOR, PROCESS_FAILURES, REQUIRED_GROUPS, budget_rule, factor_spread, required_factors
 
 PASSES = ("forward", "backward", "mixed")
 
@@ -150,6 +150,9 @@ class FuzzReport:
     case_seconds: dict = field(default_factory=dict)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
+    # "side dtype" -> {"outputs": [...], "gradients": [...]}: every required factor (verdict.required_factors) of
+    # what no known defect explains
+    required: dict = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -172,6 +175,13 @@ class FuzzReport:
                 # the rest of search_s is drawing, fitting and the search's own work
                 "examine_s": round(examined, 2), "per_case": per_case}
 
+    def required_factor_by_side(self) -> dict:
+        """Per side and dtype, how much of the budget its judged outputs and gradients used: the required
+        factor's count, median, 99th percentile and maximum (harness/calibrate.py's figures, for this campaign)."""
+        rounded = lambda x: None if x is None else round(x, 4)
+        return {key: {group: {k: (v if k == "verdicts" else rounded(v)) for k, v in factor_spread(values).items()}
+                      for group, values in groups.items()} for key, groups in sorted(self.required.items())}
+
     def summary(self) -> dict:
         cfg = self.config
         return {
@@ -185,6 +195,7 @@ class FuzzReport:
             "first_divergence_after_s": None if self.first_divergence_s is None else round(self.first_divergence_s, 2),
             "throughput": self.throughput(),
             "largest_ratio_by_dtype": self.worst, "largest_ratio_by_side": self.worst_by_side,
+            "required_factor_by_side": self.required_factor_by_side(),
             "divergences": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
                              "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
                              "cases_before": f.cases_before, "case": f.outcome.case.describe(),
@@ -353,17 +364,23 @@ class Fuzzer:
         return None
 
     def _note_ratios(self, outcome: Outcome, explained: set = frozenset()):
-        """The largest ratios so far, of what no known defect explains (the ``explained`` sides are left out)."""
+        """The largest ratios so far and every required factor, of what no known defect explains (the ``explained``
+        sides are left out)."""
         dtype = outcome.case.dtype
         for side, v in outcome.verdicts.items():
-            if side in explained or not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
+            if side in explained:
+                continue
+            key = f"{side} {dtype}"
+            groups = self.report.required.setdefault(key, {group: [] for group in REQUIRED_GROUPS.values()})
+            for group, _, required in required_factors(v, self.config.factor):
+                groups[group].append(required)
+            if not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
                 continue
             worst = v.worst()
             item = {"ratio": v.ratio, "side": side, "tensor": worst.name if worst else None,
                     "case": outcome.case.describe()}
             if v.ratio >= self.report.worst.get(dtype, {}).get("ratio", -1.0):
                 self.report.worst[dtype] = item
-            key = f"{side} {dtype}"
             if v.ratio >= self.report.worst_by_side.get(key, {}).get("ratio", -1.0):
                 self.report.worst_by_side[key] = item
 

@@ -83,15 +83,26 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
     merged = dict(base)
     merged.pop("format", None)
     jobs, skip_reasons, errors, worst, worst_side, known = [], {}, [], {}, {}, {}
+    # required factors: counts add up and maxima compare, medians and percentiles do not merge (each job's are
+    # under jobs)
+    required: dict = {}
     divergences, by_signature = [], {}
     tried = skipped = production = 0
     per_case: dict = {}
     search_s, setup_s, first_judged, first_div = 0.0, 0.0, None, None
     for i, (d, s, code) in enumerate(zip(job_dirs, summaries, exits)):
         jobs.append({"job": i, "seed": seed + i * SEED_STRIDE, "dir": str(d), "exit": code,
-                     "cases_tried": s.get("cases_tried"), "stopped": s.get("stopped") or "no summary: see log.txt"})
+                     "cases_tried": s.get("cases_tried"), "stopped": s.get("stopped") or "no summary: see log.txt",
+                     "required_factor_by_side": (s or {}).get("required_factor_by_side", {})})
         if not s:
             continue
+        for key, groups in (s.get("required_factor_by_side") or {}).items():
+            for group, spread in groups.items():
+                acc = required.setdefault(key, {}).setdefault(group, {"verdicts": 0, "median": None, "p99": None,
+                                                                       "max": None})
+                acc["verdicts"] += spread["verdicts"]
+                if spread["max"] is not None:
+                    acc["max"] = spread["max"] if acc["max"] is None else max(acc["max"], spread["max"])
         tried += s.get("cases_tried", 0)
         skipped += s.get("cases_skipped", 0)
         for why, n in (s.get("skip_reasons") or {}).items():
@@ -146,7 +157,7 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
         "harness_errors": errors, "elapsed_s": round(elapsed, 2),
         "stopped": "; ".join(sorted({j["stopped"] for j in jobs})),
         "first_divergence_after_s": first_div, "largest_ratio_by_dtype": worst, "largest_ratio_by_side": worst_side,
-        "divergences": divergences, "known": list(known.values()),
+        "required_factor_by_side": required, "divergences": divergences, "known": list(known.values()),
         "throughput": {
             "judged": tried, "skipped": skipped,
             "judged_per_minute": round(tried / minutes, 1) if minutes > 0 else None,

@@ -400,6 +400,37 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else 1e308
 
 
+# ---- how much of its budget a verdict used ----------------------------------------------------------------
+
+# The tensor verdicts a required factor is measured on, by kind, and the group each is counted in.
+REQUIRED_GROUPS = {"output": "outputs", "grad": "gradients"}
+
+
+def required_factors(verdict: Verdict, factor: float = FACTOR) -> list:
+    """(group, tensor, required factor) of each judged output and gradient of ``verdict``: the FACTOR at which
+    it would just pass, its ratio times ``factor``. Stages, tensors not judged (a mismatch, NaN where the truth is
+    finite) and non-finite ratios are left out."""
+    return [(REQUIRED_GROUPS[t.kind], t.name, t.ratio * factor) for t in verdict.tensors
+            if t.kind in REQUIRED_GROUPS and t.status in ("ok", "diverged") and math.isfinite(t.ratio)]
+
+
+def quantile(values: list, q: float) -> Optional[float]:
+    """The ``q`` quantile of ``values`` (linear between order statistics), None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def factor_spread(values: list) -> dict:
+    """How many required factors, and their median, 99th percentile and maximum (None when there are none)."""
+    return {"verdicts": len(values), "median": quantile(values, 0.5), "p99": quantile(values, 0.99),
+            "max": max(values) if values else None}
+
+
 def failed_run(impl: str, status: str, detail: str, seconds: float = 0.0) -> Verdict:
     """The verdict on a run that produced nothing: error, crash or hang."""
     assert status in RUN_FAILURES, status

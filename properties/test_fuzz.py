@@ -247,6 +247,33 @@ def test_healthy_implementations_raise_no_alarm(tmp_path, device):
     assert max(w["ratio"] for w in oracles.worst.values()) < 1e-3
 
 
+def test_the_summary_holds_the_required_factors_calibration_measures(tmp_path, device):
+    """summary.json's required_factor_by_side is what harness.calibrate collects from the same campaign's cases, per
+    side and dtype: a fuzz campaign doubles as a calibration run (one budget for both on a GPU)."""
+    from harness.calibrate import Row
+
+    spec = "harness.doubles:healthy"
+    rows = {dtype: Row(spec, device, dtype) for dtype in ("float32", "float16")}
+    config = FuzzConfig(impl=spec, out_dir=str(tmp_path), device=device, report_dir=None, max_time=None, seed=4,
+                        minimize=False, autotune=ONE_CONFIG, max_examples=12, pass_="mixed",
+                        dtypes=("float32", "float16"))
+    Fuzzer(config, observe=lambda outcome: rows[outcome.case.dtype].observe(outcome)).run()
+    written = json.load(open(tmp_path / "summary.json", encoding="utf-8"))["required_factor_by_side"]
+    seen = 0
+    for dtype, row in rows.items():
+        expected = row.summary()["required_factor"]
+        if not expected["outputs"]["verdicts"]:
+            assert f"{spec} {dtype}" not in written          # no case of this dtype drawn
+            continue
+        got = written[f"{spec} {dtype}"]
+        for group in ("outputs", "gradients"):
+            assert got[group]["verdicts"] == expected[group]["verdicts"]
+            for stat in ("median", "p99", "max"):
+                assert got[group][stat] == pytest.approx(expected[group][stat], abs=1e-4), (dtype, group, stat)
+        seen += expected["outputs"]["verdicts"] + expected["gradients"]["verdicts"]
+    assert seen > 0 and written[f"{spec} float32"]["gradients"]["verdicts"] > 0
+
+
 # ---- misbehaving implementations under --isolate ------------------------------------------------------------
 
 @pytest.mark.parametrize("name, status", [("aborts", "crash"), ("hangs", "hang"), ("raises", "error")])

@@ -29,6 +29,8 @@ def _job(tmp_path, i, signature_ratio, divergences, known_count):
         "impl": "x", "cases_tried": 10 + i, "cases_skipped": 1, "skip_reasons": {"why": 1}, "stopped": "time",
         "largest_ratio_by_dtype": {"float32": {"ratio": signature_ratio, "side": "x", "tensor": "y", "case": "c"}},
         "largest_ratio_by_side": {}, "divergences": items, "first_divergence_after_s": 1.0 + i,
+        "required_factor_by_side": {"x float32": {"outputs": {"verdicts": 3 + i, "median": 0.5, "p99": 0.9,
+                                                              "max": signature_ratio * 4}}},
         "known": [{"id": "k", "reproduced": known_count, "matched_not_reproduced": 0, "first_example": {"a": i},
                    "first_after_s": 5.0 - i, "first_case": f"case {i}"}],
         "throughput": {"judged": 10 + i, "search_s": 30.0 + i, "setup_s": 2.0, "first_judged_after_s": 3.0 + i,
@@ -49,6 +51,10 @@ def test_merged_summary_sums_the_jobs_and_keeps_one_folder_per_signature(tmp_pat
     assert (tmp_path / "job-1" / "divergence-001").is_dir()                   # b again: stays with its job
     assert merged["largest_ratio_by_dtype"]["float32"]["ratio"] == 0.7
     assert merged["known"][0]["reproduced"] == 5 and merged["known"][0]["first_case"] == "case 1"
+    # counts add up and maxima compare; a median or a percentile does not merge: each job's stays with the job
+    assert merged["required_factor_by_side"] == {"x float32": {"outputs": {"verdicts": 7, "median": None,
+                                                                           "p99": None, "max": 2.8}}}
+    assert [j["required_factor_by_side"]["x float32"]["outputs"]["median"] for j in merged["jobs"]] == [0.5, 0.5]
     t = merged["throughput"]
     assert t["judged"] == 21 and t["search_s"] == 31.0 and t["judged_per_minute"] == round(21 / (31 / 60), 1)
     assert t["first_judged_after_s"] == 3.0 and t["per_case"]["other"] == {"cases": 20, "examine_s": 0.1,

@@ -1,0 +1,34 @@
+"""harness/bench.py: a campaign's row holds its throughput and what its cases used of their budgets, and a
+``module:function`` implementation keeps its colon (NAME[:PASS])."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import bench
+
+
+def test_a_target_names_its_pass_after_the_last_colon_only_when_it_is_one():
+    assert bench._target("mamba_ssm.chunk_scan_combined") == ("mamba_ssm.chunk_scan_combined", "mixed")
+    assert bench._target("fla.chunk_simple_gla:forward") == ("fla.chunk_simple_gla", "forward")
+    assert bench._target("harness.doubles:healthy") == ("harness.doubles:healthy", "mixed")
+    assert bench._target("harness.doubles:healthy:backward") == ("harness.doubles:healthy", "backward")
+
+
+def test_a_rows_required_factors_are_its_campaigns_own(tmp_path, device, capsys):
+    rows = tmp_path / "rows.json"
+    assert bench.main(["--impl", "harness.doubles:healthy:mixed", "--dtype", "float32", "--budget", "4",
+                       "--cold-budget", "2", "--cache-root", str(tmp_path), "--json", str(rows), "--",
+                       "--device", device]) == 0
+    warm = json.load(open(rows, encoding="utf-8"))[0]["warm"]
+    summary = json.load(open(tmp_path / "harness.doubles_healthy" / "warm" / "summary.json", encoding="utf-8"))
+    assert warm["judged"] == summary["throughput"]["judged"] > 0
+    assert warm["required_factor"] == {"float32": summary["required_factor_by_side"]["harness.doubles:healthy float32"]}
+    groups = warm["required_factor"]["float32"]
+    assert groups["outputs"]["verdicts"] >= warm["judged"]
+    # the largest required factor is the largest ratio at FACTOR = 4 (no stages are judged in a campaign)
+    assert max(g["max"] for g in groups.values() if g["max"] is not None) == \
+        pytest.approx(4 * warm["largest_ratio"], abs=1e-4)
+    assert "required factor" in capsys.readouterr().out
