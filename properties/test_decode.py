@@ -18,6 +18,8 @@ Divergence has one definition: harness/verdict.py's `judge` through harness.exam
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from hypothesis import assume, example, given, note
@@ -36,6 +38,7 @@ from harness.localize import fit_case  # noqa: E402
 from harness.oracle import evaluate, recurrent  # noqa: E402
 from harness.strategies import Bounds, cases  # noqa: E402
 from harness.verdict import UNIT_ROUNDOFF  # noqa: E402
+from properties import pooled  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
 from properties.test_upstream import ONE_CONFIG  # noqa: E402
 
@@ -133,24 +136,32 @@ def test_the_float32_step_double_is_within_budget(device, case):
     assert_within_budget("harness.doubles:step", case, device)
 
 
-def fitted_to_the_step_kernel(case: Case, device: str) -> Case:
-    impl = get(STEP)
-    why = impl.unavailable()
+def step_kernel_fit(case: Case, device: str) -> Optional[Case]:
+    """``case`` fitted to the step kernel, or None where it cannot run it or a known defect explains it (pinned by
+    test_upstream.py's registry test)."""
+    fitted = fit_case(case, [get(STEP)], device)
+    return fitted if fitted is not None and known.matching(STEP, fitted) is None else None
+
+
+def test_selective_state_update_is_within_budget(device):
+    why = get(STEP).unavailable()
     if why:
         pytest.skip(f"{STEP}: {why}")
-    fitted = fit_case(case, [impl], device)
-    assume(fitted is not None)
-    assume(known.matching(STEP, fitted) is None)         # pinned by test_upstream.py's registry test
-    return fitted
+    # natively under the gpu and nightly profiles, from the run's compile keys (properties/pooled.py)
+    drawn = pooled.cases_from_keys(STEP, ("decode",), DTYPES, None, BOUNDS, lambda c: step_kernel_fit(c, device)) \
+        if pooled.pooled() else decode_cases()
 
+    @given(drawn)
+    @example(Case(entry="decode", batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
+                  D="channel", has_z=True, initial_states=True, state_batch_indices=True))
+    @example(Case(entry="decode", batch=1, seqlen=4, nheads=3, ngroups=3, headdim=6, dstate=7, decode_steps=4,
+                  dtype="float16", state_dtype="float16", regime=Regime(decay="strong", dt_large=True)))
+    def within_budget(case):
+        fitted = step_kernel_fit(case, device)
+        assume(fitted is not None)
+        assert_within_budget(STEP, fitted, device)
 
-@given(decode_cases())
-@example(Case(entry="decode", batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
-              D="channel", has_z=True, initial_states=True, state_batch_indices=True))
-@example(Case(entry="decode", batch=1, seqlen=4, nheads=3, ngroups=3, headdim=6, dstate=7, decode_steps=4,
-              dtype="float16", state_dtype="float16", regime=Regime(decay="strong", dt_large=True)))
-def test_selective_state_update_is_within_budget(device, case):
-    assert_within_budget(STEP, fitted_to_the_step_kernel(case, device), device)
+    within_budget()
 
 
 # ---- planted step bugs: found and localized to the decoded tokens ------------------------------------------

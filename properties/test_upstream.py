@@ -50,6 +50,7 @@ from harness.impls.generic import CallableImplementation  # noqa: E402
 from harness.inputs import materialize  # noqa: E402
 from harness.strategies import Bounds, cases  # noqa: E402
 from harness.verdict import Verdict  # noqa: E402
+from properties import pooled  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,24 +165,39 @@ def recurrent_order_limit(name: str, case: Case) -> bool:
         case.regime.decay == "strong" or case.regime.dt_large or (case.seqlen == 1 and not case.initial_states))
 
 
-@st.composite
-def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
-    """A case ``impl`` can run on ``device``: drawn from harness.strategies, narrowed to its capabilities, and
-    none that a known defect of the installed release explains."""
+def narrowed(impl, case: Case, device: str, bounds: Bounds, where=None) -> Optional[Case]:
+    """``case`` narrowed to what ``impl`` can run on ``device`` (what it cannot express switched off, then
+    ``where``), or None where it still cannot run it or a known defect of the installed release explains it."""
     cap = impl.capabilities
-    entry = draw(st.sampled_from(sorted(cap.entries)))
-    bounds = bounds_here()
-    case = draw(cases(entry=entry, dtypes=(dtype,), bounds=bounds, backward=backward))
     case = without(case, cap.unsupported)
     if where is not None:
         case = where(case)
-    if entry == "split_conv1d":
+    if case.entry == "split_conv1d":
         case = fit_conv_channels(case, bounds)
-    if runtime.interpreted() and "cuda" not in cap.devices:
-        assume(case.batch * case.nheads * case.nchunks <= PROGRAM_BUDGET)
-    assume(impl.skip_reason(case, device) is None)
-    assume(known_defect(impl.name, case) is None)
-    assume(not recurrent_order_limit(impl.name, case))
+    if runtime.interpreted() and "cuda" not in cap.devices and case.batch * case.nheads * case.nchunks > PROGRAM_BUDGET:
+        return None
+    if impl.skip_reason(case, device) is not None or known_defect(impl.name, case) is not None \
+            or recurrent_order_limit(impl.name, case):
+        return None
+    return case
+
+
+@st.composite
+def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
+    """A case ``impl`` can run on ``device``: drawn from harness.strategies (natively under the gpu and nightly
+    profiles, from the run's compile keys for ``impl``: properties/pooled.py), narrowed to its capabilities, and
+    none that a known defect of the installed release explains."""
+    cap = impl.capabilities
+    bounds = bounds_here()
+    if pooled.pooled():
+        fit = lambda case: narrowed(impl, case, device, bounds, where)         # noqa: E731
+        label = impl.name if where is None else f"{impl.name}, narrowed"       # a ``where`` fits keys of its own
+        case = draw(pooled.cases_from_keys(label, sorted(cap.entries), (dtype,), backward, bounds, fit))
+    else:
+        entry = draw(st.sampled_from(sorted(cap.entries)))
+        case = draw(cases(entry=entry, dtypes=(dtype,), bounds=bounds, backward=backward))
+    case = narrowed(impl, case, device, bounds, where)
+    assume(case is not None)
     return case
 
 

@@ -1,0 +1,63 @@
+"""properties/pooled.py: under a profile that searches afresh, a property's cases natively come from the run's few
+compile keys, which its implementation can run; the keys are fixed for the run's seed and change with it. Checked
+here on the drawn Case objects (nothing is run), so on every platform."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.impls import get
+from harness.pool import flags_of
+from properties import pooled
+from properties.test_upstream import bounds_here, cases_for, narrowed
+
+BOUNDS = bounds_here()
+
+
+def key_of(case, keys):
+    """The key among ``keys`` whose compile-relevant fields ``case`` has, else None."""
+    for key in keys:
+        fixed = all(getattr(case, name) == value for name, value in key.fixed().items())
+        pinned = dict(flags_of(case))
+        flags = all(pinned[name] == value for name, value in key.flags
+                    if name not in ("varlen_states", "final_state_grad"))
+        if fixed and flags and key.fits(case.seqlen) and case.regime.layout == key.layout:
+            return key
+    return None
+
+
+def test_the_keys_are_the_runs_and_change_with_its_seed():
+    first = pooled.keys("t", ("chunk_scan", "split_conv1d"), "float32", None, BOUNDS, seed=1)
+    assert first == pooled.keys("t", ("chunk_scan", "split_conv1d"), "float32", None, BOUNDS, seed=1)
+    assert len(first) == pooled.KEYS and {k.entry for k in first} <= {"chunk_scan", "split_conv1d"}
+    assert {k.dtype for k in first} == {"float32"} and {k.kind for k in first} == {"small"}
+    others = [pooled.keys("t", ("chunk_scan", "split_conv1d"), "float32", None, BOUNDS, seed=s) for s in (2, 3, 4)]
+    assert any(o != first for o in others)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_every_drawn_case_is_one_of_the_keys(data):
+    case = data.draw(pooled.cases_from_keys("layers", ("layer",), ("float32", "float16"), None, BOUNDS, seed=5))
+    keys = pooled.keys("layers", ("layer",), case.dtype, None, BOUNDS, seed=5)
+    assert key_of(case, keys) is not None, f"{case.describe()} is none of {[k.describe() for k in keys]}"
+
+
+def test_a_pooled_property_draws_what_its_implementation_can_run_from_its_keys(device, monkeypatch):
+    monkeypatch.setenv("SSDIFF_POOLED", "1")
+    impl = get("mamba_ssm.split_conv1d_ref")
+    keys = pooled.keys(impl.name, sorted(impl.capabilities.entries), "float32", True, BOUNDS,
+                       fit=lambda c: narrowed(impl, c, device, BOUNDS))
+    seen = set()
+
+    @settings(max_examples=30)
+    @given(case=cases_for(impl, "float32", True, device))
+    def drawn(case):
+        assert narrowed(impl, case, device, BOUNDS) == case and case.backward
+        key = key_of(case, keys)
+        assert key is not None, f"{case.describe()} is none of {[k.describe() for k in keys]}"
+        seen.add(key)
+
+    drawn()
+    assert len(seen) > 1
