@@ -49,6 +49,9 @@ def at_production_shape(case) -> bool:
 
 
 ROUND_EXAMPLES = 100
+# Natively, the keys of the next rounds' rotations are compiled ahead (harness/precompile.py), this many: on a warm
+# cache the workers, with nothing of the current keys to do, get that far ahead of the search.
+COMPILE_AHEAD_ROUNDS = 3
 # The percentage of a round's cases drawn from its huge key, when it has one (harness/huge.py: each takes seconds).
 HUGE_CASES_PERCENT = 2
 # How long a key's representative case waits for the workers compiling it ahead (harness/precompile.py); past
@@ -686,7 +689,7 @@ class Fuzzer:
                 # needs before the workers have it (a cold cache) or loads it from disk (warm), and the workers'
                 # variants are on disk by the time it asks for them. Each key's representative case first.
                 self._compile_ahead(self.pool.keys)
-                self._compile_ahead([self.pool.upcoming])
+                self._compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS))
                 if self._representatives(self.pool.keys):
                     stop_reason.append("divergence found")
             if stop_reason:
@@ -721,7 +724,8 @@ class Fuzzer:
                     if self.pool is not None:
                         new = self.pool.upcoming
                         self.pool.rotate()
-                        self._compile_ahead([self.pool.upcoming])
+                        # the one key now planned COMPILE_AHEAD_ROUNDS rotations ahead (the others are queued)
+                        self._compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS)[-1:])
                         if self._representatives([new]):
                             stop_reason.append("divergence found")
                             break

@@ -13,7 +13,8 @@ decoded layer, of its prefill: the steps run one token each) and the features th
 code path (`FLAGS`: constexpr switches such as D per channel, z, softplus, arguments passed as a tensor or None
 such as initial states, seq_idx, final-state gradients, and a layer's biases, norm and decoding); seqlen within
 that class, sequence lengths and padding, dt_limit's values, the value regime and the seed vary freely. After each
-round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up. Each key
+round one key is swapped for a fresh draw (`Pool.rotate`), so over a campaign odd sizes still come up; the swaps
+are planned rounds ahead (`Pool.ahead`), so that their keys can be compiled before the search reaches them. Each key
 is the best of SPREAD candidates at adding pairs of feature values its round lacks (`Pool.draw`), so that a
 round's few keys meet features together more often than independent draws would. Keys
 come in kinds: "small" (GPU_BOUNDS), "production" (model shapes: `Production`; none for the layer entry, whose
@@ -257,7 +258,9 @@ class Pool:
         for kind in self.kinds:
             self.keys.append(self.draw(kind, self.keys))
         self.round = 0
-        self._plan_next()
+        self._future = list(self.keys)      # the keys once every planned rotation is made
+        self._plan: list = []               # (slot, key) of the rotations to come, in order
+        self._extend(1)
 
     def _kinds(self, count: int) -> list:
         """Kinds for ``count`` keys in the mix's proportions (rounded, at least one small key)."""
@@ -268,16 +271,32 @@ class Pool:
         kinds = kinds[:count - 1]
         return ["small"] * (count - len(kinds)) + kinds
 
-    def _plan_next(self):
-        self._slot = self.rng.randrange(len(self.keys))
-        self.upcoming = self.draw(self.kinds[self._slot], [k for i, k in enumerate(self.keys) if i != self._slot])
+    def _extend(self, count: int) -> None:
+        """Plan rotations until ``count`` are planned: each swaps one slot's key for a fresh draw against the keys
+        that round will have, so that planning ahead draws exactly what rotating one round at a time would."""
+        while len(self._plan) < count:
+            slot = self.rng.randrange(len(self._future))
+            key = self.draw(self.kinds[slot], [k for i, k in enumerate(self._future) if i != slot])
+            self._future[slot] = key
+            self._plan.append((slot, key))
+
+    @property
+    def upcoming(self) -> CompileKey:
+        """The key the next rotation brings in."""
+        return self._plan[0][1]
+
+    def ahead(self, rounds: int) -> list:
+        """The keys the next ``rounds`` rotations bring in, in order (planned now, so that they can be compiled
+        while the rounds before them run)."""
+        self._extend(rounds)
+        return [key for _, key in self._plan[:rounds]]
 
     def rotate(self) -> list:
-        """The next round's keys: one swapped for `upcoming` (drawn a round ahead, so that it can be compiled
-        while the round runs), and the key after it drawn."""
+        """The next round's keys: one swapped for `upcoming`, and one more rotation planned."""
         self.round += 1
-        self.keys[self._slot] = self.upcoming
-        self._plan_next()
+        slot, key = self._plan.pop(0)
+        self.keys[slot] = key
+        self._extend(1)
         return list(self.keys)
 
     # ---- drawing one key ---------------------------------------------------------------------------------

@@ -452,3 +452,48 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
         assert judged == at_boundary + tuned
     assert not any((case, None) in waited for case, _ in at_boundary)
     assert all(((case, key.boundary.config) in waited) == waits_for_its_config for case, key in reps if key.boundary)
+
+
+def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
+    """Natively the workers are given the keys of the next COMPILE_AHEAD_ROUNDS rotations before the search starts,
+    and after each rotation the one then planned that far ahead: a key arriving at round r was queued by round
+    r - COMPILE_AHEAD_ROUNDS, and none twice."""
+    from harness.fuzz import COMPILE_AHEAD_ROUNDS
+
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=None,
+                               max_time=60, pool=True, compile_ahead=False, autotune=0, pass_="forward",
+                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=2,
+                               pool_mix=Mix(size=3, production=0.0, boundary=0.0)))
+    queued, arrived = {}, []                         # key -> the round it was queued at; (round, key) arriving
+
+    class Workers:
+        def submit(self, cases):
+            for case in cases:
+                key = next(k for k in [*fuzzer.pool.keys, *fuzzer.pool.ahead(COMPILE_AHEAD_ROUNDS)]
+                           if case == k.case(backward=case.backward))
+                assert key not in queued or queued[key] == fuzzer.pool.round, f"{key.describe()} queued twice"
+                queued.setdefault(key, fuzzer.pool.round)
+
+        def wait(self, case, timeout, index=None):
+            return True
+
+        def ready(self):
+            return True
+
+        def close(self):
+            pass
+
+    fuzzer.compiler = Workers()
+    fuzzer._judge = lambda case, choice, target=None: False          # nothing judged: five idle rounds end it
+    rotate = fuzzer.pool.rotate
+
+    def recording_rotate():
+        arrived.append((fuzzer.pool.round + 1, fuzzer.pool.upcoming))
+        return rotate()
+
+    fuzzer.pool.rotate = recording_rotate
+    fuzzer.run()
+    assert len(arrived) >= COMPILE_AHEAD_ROUNDS + 1
+    for round_, key in arrived:
+        assert queued[key] <= max(0, round_ - COMPILE_AHEAD_ROUNDS), (round_, queued[key], key.describe())
+    assert all(queued[k] == 0 for k in fuzzer.pool.keys if k not in dict(arrived).values())

@@ -48,3 +48,18 @@ def test_a_boundary_keys_candidates_share_its_boundary_and_the_keys_take_the_bou
             drawn += 1
         p.rotate()
     assert drawn >= 3
+
+
+def test_planning_rotations_ahead_draws_what_rotating_one_round_at_a_time_draws():
+    """Pool.ahead plans the next rotations against the keys each round will have: the rounds are those of a pool
+    that never looks ahead, and what was planned is what arrives."""
+    def pool():
+        return Pool(("chunk_scan", "split_conv1d"), ("float32", "bfloat16"), BOUNDS, mix=Mix(size=4), seed=11)
+
+    plain, looking = pool(), pool()
+    for round_ in range(10):
+        planned = looking.ahead(3)
+        assert planned[0] == looking.upcoming
+        assert looking.rotate() == plain.rotate(), f"round {round_}"
+        assert looking.keys[[k is planned[0] for k in looking.keys].index(True)] is planned[0]
+        assert looking.ahead(2) == planned[1:3]
