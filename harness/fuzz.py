@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import time
+from array import array
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
@@ -153,8 +154,8 @@ class FuzzReport:
     case_seconds: dict = field(default_factory=dict)
     report_path: Optional[str] = None
     known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
-    # "side dtype" -> {"outputs": [...], "gradients": [...]}: every required factor (verdict.required_factors) of
-    # what no known defect explains
+    # "side dtype" -> {"outputs": array, "gradients": array}: every required factor (verdict.required_factors) of
+    # what no known defect explains, 8 bytes each (a day's campaign judges millions of tensors)
     required: dict = field(default_factory=dict)
 
     @property
@@ -374,7 +375,7 @@ class Fuzzer:
             if side in explained:
                 continue
             key = f"{side} {dtype}"
-            groups = self.report.required.setdefault(key, {group: [] for group in REQUIRED_GROUPS.values()})
+            groups = self.report.required.setdefault(key, {group: array("d") for group in REQUIRED_GROUPS.values()})
             for group, _, required in required_factors(v, self.config.factor):
                 groups[group].append(required)
             if not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):

@@ -414,21 +414,14 @@ def required_factors(verdict: Verdict, factor: float = FACTOR) -> list:
             if t.kind in REQUIRED_GROUPS and t.status in ("ok", "diverged") and math.isfinite(t.ratio)]
 
 
-def quantile(values: list, q: float) -> Optional[float]:
-    """The ``q`` quantile of ``values`` (linear between order statistics), None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def factor_spread(values: list) -> dict:
-    """How many required factors, and their median, 99th percentile and maximum (None when there are none)."""
-    return {"verdicts": len(values), "median": quantile(values, 0.5), "p99": quantile(values, 0.99),
-            "max": max(values) if values else None}
+def factor_spread(values) -> dict:
+    """How many required factors, and their median, 99th percentile (linear between order statistics) and maximum;
+    None where there are none. ``values``: a sequence of floats (a list, or a compact array.array)."""
+    if not len(values):
+        return {"verdicts": 0, "median": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=np.float64)
+    median, p99 = np.quantile(a, [0.5, 0.99])
+    return {"verdicts": int(a.size), "median": float(median), "p99": float(p99), "max": float(a.max())}
 
 
 def failed_run(impl: str, status: str, detail: str, seconds: float = 0.0) -> Verdict:
