@@ -93,7 +93,7 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
     for i, (d, s, code) in enumerate(zip(job_dirs, summaries, exits)):
         jobs.append({"job": i, "seed": seed + i * SEED_STRIDE, "dir": str(d), "exit": code,
                      "cases_tried": s.get("cases_tried"), "stopped": s.get("stopped") or "no summary: see log.txt",
-                     "required_factor_by_side": (s or {}).get("required_factor_by_side", {})})
+                     "required_factor_by_side": s.get("required_factor_by_side", {})})
         if not s:
             continue
         for key, groups in (s.get("required_factor_by_side") or {}).items():
