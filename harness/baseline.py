@@ -496,7 +496,8 @@ def _dt(dt, dt_bias, dt_softplus, dt_limit, rounding: Rounding = EXACT):
     _chunk_cumsum_fwd_kernel): ``dt += dt_bias``, softplus below 20, clamped to dt_limit. The softplus is
     Triton 3's ``log(exp(x) + 1)`` (mamba_ssm/ops/triton/softplus.py, both releases): ``exp(x) + 1`` rounds to
     float32 first, an absolute error of u that the log hands on unchanged, so dt ~ 0.05 (the usual pre-softplus
-    -3) carries u / dt ~ 20 units of relative error. Both sums are rounding points."""
+    -3) carries u / dt ~ 20 units of relative error. Both sums are rounding points. The clamp's gradient passes a
+    value exactly on a bound, as the kernels' and the oracle's do."""
     keep = rounding.keep
     if dt_bias is not None:
         dt = keep(dt + dt_bias)
@@ -504,10 +505,7 @@ def _dt(dt, dt_bias, dt_softplus, dt_limit, rounding: Rounding = EXACT):
         below = dt <= 20.0
         dt = torch.where(below, torch.log(keep(torch.exp(torch.where(below, dt, torch.zeros_like(dt))) + 1.0)), dt)
     low, high = dt_limit
-    dt = torch.maximum(dt, torch.full_like(dt, low))
-    if high != math.inf:
-        dt = torch.minimum(dt, torch.full_like(dt, high))
-    return dt
+    return dt.clamp(min=low, max=None if high == math.inf else high)
 
 
 def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precision: str = "float32", D=None,

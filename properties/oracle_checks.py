@@ -23,9 +23,10 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: 
                          f"(rtol {rtol:g}, atol {ATOL:g}) on {case.describe()}")
 
 
-def oracles_agree(case: Case, device: str):
-    """Every oracle matches ref.recurrent on every output, gradient and stage."""
-    inputs = materialize(case, device)
+def oracles_agree(case: Case, device: str, inputs=None):
+    """Every oracle matches ref.recurrent on every output, gradient and stage (on ``inputs``, else the case's
+    own)."""
+    inputs = materialize(case, device) if inputs is None else inputs
     base = evaluate(case, inputs, "ref.recurrent")
     for name in ORACLES:
         if name == "ref.recurrent":
@@ -38,6 +39,22 @@ def oracles_agree(case: Case, device: str):
             assert_close(f"{name} stage {key}", other.stages[key], value, RTOL, case)
         for key, value in base.grads.items():
             assert_close(f"{name} grad {key}", other.grads[key], value, GRAD_RTOL, case)
+
+
+def dt_on_its_bounds(case: Case, device: str):
+    """The case's inputs with some dt exactly on each bound of dt_limit (several chunks, every head), and the mask
+    of those tokens: where a clamp's gradient convention shows (torch.clamp passes the gradient on a bound,
+    torch.minimum / torch.maximum halve it). ``case`` has dt_limit, no dt_bias and no softplus, so that dt is
+    the clamp's input."""
+    import dataclasses
+
+    assert case.dt_limit is not None and not case.has_dt_bias and not case.dt_softplus, case.describe()
+    inputs = materialize(case, device)
+    dt = inputs.values["dt"].clone()
+    low, high = case.dt_limit
+    dt[:, 3::5], dt[:, 2::7] = high, low
+    values = dict(inputs.values, dt=dt)
+    return dataclasses.replace(inputs, values=values), (dt == high) | (dt == low)
 
 
 def run_on(name: str, case: Case, tensors: dict, seq_idx=None):

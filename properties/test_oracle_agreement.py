@@ -6,7 +6,7 @@ from hypothesis import example, given
 
 from harness.case import Case, Regime
 from harness.strategies import cases
-from properties.oracle_checks import oracles_agree
+from properties.oracle_checks import dt_on_its_bounds, oracles_agree
 
 
 @given(cases(dtypes=("float32", "float16", "bfloat16")))
@@ -17,6 +17,15 @@ from properties.oracle_checks import oracles_agree
               regime=Regime(decay="mild", values="integer", layout="strided"), seed=1))
 def test_three_oracles_agree(device, case):
     oracles_agree(case, device)
+
+
+def test_three_oracles_agree_with_dt_on_a_bound_of_its_limit(device):
+    """Their gradients agree where dt lies exactly on a bound of dt_limit (drawn float32 values never do; bf16
+    ones often do), where the chunked oracle once halved the gradient (torch.minimum's tie rule)."""
+    case = Case(batch=2, seqlen=20, nheads=2, headdim=3, dstate=2, chunk_size=8, has_dt_bias=False,
+                dt_softplus=False, dt_limit=(0.25, 1.0), initial_states=True, pass_="backward", final_state_grad=True)
+    inputs, _ = dt_on_its_bounds(case, device)
+    oracles_agree(case, device, inputs)
 
 
 def test_the_chunked_oracles_state_passing_is_the_recurrence_with_its_gradient(device):

@@ -4,8 +4,9 @@
     backward  ddA_t = sum_{s >= t} dcs_s  (a reverse cumsum: the terms through cs_s itself)
                     + sum_{j < t} T_j     (the chunk-state terms, from the dB kernel: an exclusive prefix sum)
                     + ddA_t (in)          (the intra-chunk terms, from the dCB/ddA kernel)
-              ddt'_t += ddA_t A;  dA = sum_t ddA_t dt'_t;  then through the clamp (zero where clamped), the
-              softplus (sigmoid) and the bias: ddt, ddt_bias = sum ddt.
+              ddt'_t += ddA_t A;  dA = sum_t ddA_t dt'_t;  then through the clamp (zero strictly outside
+              dt_limit; at a bound it passes, as torch.clamp's and mamba_ssm's do), the softplus (sigmoid) and
+              the bias: ddt, ddt_bias = sum ddt.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def ssd_bwd_kernel_cumsum(
     b_dtp = tl.where(m, b_dtp, 0.0)
     b_A = tl.load(A + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_dd = tl.load(ddt_in + o_cm, mask=m_cm, other=0.0) + b_ddA * b_A[None, :]
-    b_draw = tl.where(m & (b_sp > dt_min) & (b_sp < dt_max), b_dd * b_dsp, 0.0)
+    b_draw = tl.where(m & (b_sp >= dt_min) & (b_sp <= dt_max), b_dd * b_dsp, 0.0)
     tl.store(ddt + ((i_b.to(tl.int64) * L + o_t[:, None]) * H + o_h[None, :]), b_draw.to(ddt.dtype.element_ty),
              mask=m)
     tl.store(dA_part + i_bc.to(tl.int64) * H + o_h, tl.sum(tl.where(m, b_ddA * b_dtp, 0.0), axis=0), mask=m_h)
