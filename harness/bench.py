@@ -11,7 +11,8 @@ it draws the compile keys the cold run compiled (more, where it gets further); t
 finished are recorded in that cache and not run again (harness/precompile.py). Columns: cases judged
 per minute of search, the time to the first judged case from the process's start (imports, compiling and the
 first case's judgement included), the share at production shapes (seqlen >= 2048 and dstate >= 128), and the largest
-ratio to budget any case reached. A second table gives the warm campaigns' required factors (median, 99th
+ratio to budget any case reached; a row (--json) also holds each divergent case's case.json, replayable once the
+campaign's folder is gone. A second table gives the warm campaigns' required factors (median, 99th
 percentile and maximum, from summary.json: the figures harness/calibrate.py collects), so that a benchmark run is
 also a calibration run of its dtype. Results for the H200 and the CPU: harness/BENCHMARKS.md.
 """
@@ -52,9 +53,22 @@ def campaign(impl: str, pass_: str, dtype: str, budget: float, cache: str, out: 
             round(t["first_judged_after_s"] + t.get("setup_s", 0.0), 2),
             "production": t.get("production_shape_cases"),
             "largest_ratio": worst, "divergences": len(summary.get("divergences", [])),
+            "divergent_cases": [_case_of(d) for d in summary.get("divergences", [])],
             "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])), "wall_s": round(wall, 1),
             "required_factor": {key.split(" ", 1)[1]: spread for key, spread in
                                 (summary.get("required_factor_by_side") or {}).items() if key.split(" ")[0] == impl}}
+
+
+def _case_of(divergence: dict):
+    """The replayable case (case.json) of a summary's divergence entry, else its one-line description: a
+    campaign's folder may be gone by the time its row is read."""
+    from harness.store import CASE
+
+    try:
+        with open(os.path.join(divergence["path"], CASE), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, KeyError, ValueError):
+        return divergence.get("case")
 
 
 def _target(text: str) -> tuple:

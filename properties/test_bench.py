@@ -32,3 +32,21 @@ def test_a_rows_required_factors_are_its_campaigns_own(tmp_path, device, capsys)
     assert max(g["max"] for g in groups.values() if g["max"] is not None) == \
         pytest.approx(4 * warm["largest_ratio"], abs=1e-4)
     assert "required factor" in capsys.readouterr().out
+
+
+def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_path, device):
+    """A campaign that diverges leaves each divergent case in its row, whole: the case.json, which replays."""
+    import shutil
+
+    from harness.case import Case
+
+    rows = tmp_path / "rows.json"
+    assert bench.main(["--impl", "harness.doubles:group_bug:forward", "--dtype", "float32", "--budget", "5",
+                       "--cold-budget", "2", "--cache-root", str(tmp_path / "c"), "--json", str(rows), "--",
+                       "--device", device]) == 0
+    shutil.rmtree(tmp_path / "c")
+    warm = json.load(open(rows, encoding="utf-8"))[0]["warm"]
+    assert warm["divergences"] == len(warm["divergent_cases"]) > 0
+    for data in warm["divergent_cases"]:
+        case = Case.from_dict(data)
+        assert case.ngroups > 1          # the planted bug reads another group's B
