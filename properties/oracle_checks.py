@@ -3,6 +3,8 @@ same checks against deliberately broken oracles)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.case import Case
@@ -46,8 +48,6 @@ def dt_on_its_bounds(case: Case, device: str):
     of those tokens: where a clamp's gradient convention shows (torch.clamp passes the gradient on a bound,
     torch.minimum / torch.maximum halve it). ``case`` has dt_limit, no dt_bias and no softplus, so that dt is
     the clamp's input."""
-    import dataclasses
-
     assert case.dt_limit is not None and not case.has_dt_bias and not case.dt_softplus, case.describe()
     inputs = materialize(case, device)
     dt = inputs.values["dt"].clone()
