@@ -434,7 +434,8 @@ def cmd_replay(args) -> int:
     path = Path(args.case)
     case = Case.load(path)
     impl, against = _sides_for(args, path)
-    outcome = replay(case, impl, against, device=args.device, choice=args.autotune, isolate=args.isolate)
+    outcome = replay(case, impl, against, device=args.device, choice=args.autotune, isolate=args.isolate,
+                     top=args.worst)
     console.print(case.describe(), highlight=False, soft_wrap=True)
     for v in outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
@@ -523,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--autotune", default="tuned", type=_config_choice, metavar="CHOICE",
                        help="tuned (default), or an index N: every autotuned kernel runs config N %% its count (a "
                             "divergence that depends on the config)")
+        if name == "replay":
+            p.add_argument("--worst", type=int, default=0, metavar="N",
+                           help="also list, for each tensor out of budget, its N elements of the largest ratios")
         if name == "minimize":
             p.add_argument("--out", help="output folder (default: the case's folder)")
             p.add_argument("--max-runs", type=int, default=300, help="at most this many candidate runs")

@@ -125,15 +125,17 @@ class UsageError(ValueError):
 
 class Examiner:
     """Examines cases for a fixed set of sides on one device. ``isolate``: run the sides in a child process
-    (harness/isolate.py; ``timeout`` seconds per run). ``oracle_evaluations`` / ``baseline_evaluations`` count
-    the evidence evaluated (one of each per distinct case while it is kept)."""
+    (harness/isolate.py; ``timeout`` seconds per run). ``top``: each tensor verdict also lists the elements of its
+    ``top`` largest ratios (`verdict.judge`). ``oracle_evaluations`` / ``baseline_evaluations`` count the
+    evidence evaluated (one of each per distinct case while it is kept)."""
 
     def __init__(self, sides, device: str, oracle_name: str = oracle.DEFAULT_ORACLE, factor: float = FACTOR,
-                 isolate: bool = False, timeout: float = 300.0):
+                 isolate: bool = False, timeout: float = 300.0, top: int = 0):
         self.sides = list(dict.fromkeys(sides))
         self.device = device
         self.oracle_name = oracle_name
         self.factor = factor
+        self.top = top
         try:
             self.impls = {spec: resolve(spec) for spec in self.sides}
         except KeyError as err:
@@ -245,7 +247,7 @@ class Examiner:
             outputs[spec] = run.outputs
             judged = time.perf_counter()
             verdicts[spec] = judge(spec, case, ev.inputs, run.outputs, ev.truth, ev.baseline, stages=stages,
-                                   factor=self.factor, seconds=run.seconds)
+                                   factor=self.factor, seconds=run.seconds, top=self.top)
             self._phases["verdict"] += self._synchronized() - judged
         pair = {}
         if len(sides) == 2 and len(outputs) == 2:
@@ -297,7 +299,7 @@ class Examiner:
                 else:
                     judged = time.perf_counter()
                     v = judge(spec, part, ev.inputs, run.outputs, ev.truth, ev.baseline, factor=self.factor,
-                              seconds=run.seconds)
+                              seconds=run.seconds, top=self.top)
                     self._phases["verdict"] += self._synchronized() - judged
                     out = run.outputs
                 if choice == "sweep":
@@ -326,7 +328,7 @@ class Examiner:
                 return (failed_run(spec, run.status, f"(autotune config index {index}) {run.detail}", run.seconds),
                         None, run.launches)
             v = judge(spec, case, ev.inputs, run.outputs, ev.truth, ev.baseline, stages=stages, factor=self.factor,
-                      seconds=run.seconds)
+                      seconds=run.seconds, top=self.top)
             v.notes.append(f"autotune config index {index}")
             if worst_v is None or (severity(v.status), v.ratio) > (severity(worst_v.status), worst_v.ratio):
                 worst_v, worst_o, worst_l = v, run.outputs, run.launches

@@ -147,12 +147,12 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
 
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",
-           isolate: bool = False) -> Outcome:
+           isolate: bool = False, top: int = 0) -> Outcome:
     """Judge ``case`` again (the same case on the same machine gives the same numbers). A side that does not
     take the case (a feature it lacks, a dtype it does not run) is a UsageError naming what, not a run."""
     runtime.configure()
     with Examiner([impl] + ([against] if against else []), device or runtime.default_device(),
-                  isolate=isolate) as examiner:
+                  isolate=isolate, top=top) as examiner:
         reasons = examiner.skip_reasons(case)
         if reasons:
             raise UsageError("this case is not one every side takes: " + "; ".join(reasons))

@@ -149,8 +149,9 @@ class TensorVerdict:
 
     ratio: max error / budget over judged elements (inf for nonfinite / mismatch); out_of_budget / judged /
     excluded: element counts; max_abs, rel_rms: the error; baseline_rel_rms: the baseline's; worst: the worst
-    element (index, coordinates, actual, expected, budget); ratio_map: per-element ratio reduced to the local
-    axes (kept for localization, not serialized)."""
+    element (index, coordinates, actual, expected, budget); elements: when asked for (`judge`'s ``top``), the
+    elements of the largest ratios, largest first, each as ``worst``; ratio_map: per-element ratio reduced to the
+    local axes (kept for localization, not serialized)."""
 
     name: str
     kind: str
@@ -164,6 +165,7 @@ class TensorVerdict:
     rel_rms: float = 0.0
     baseline_rel_rms: float = 0.0
     worst: Optional[dict] = None
+    elements: list = field(default_factory=list)
     detail: str = ""
     axes: Optional[TensorAxes] = None
     ratio_map: Optional[torch.Tensor] = field(default=None, repr=False)
@@ -180,6 +182,8 @@ class TensorVerdict:
         out["ratio"] = _json_float(self.ratio)
         for k in ("max_abs", "rel_rms", "baseline_rel_rms"):
             out[k] = _json_float(out[k])
+        if self.elements:
+            out["elements"] = self.elements
         return out
 
     def message(self, impl: str) -> str:
@@ -200,7 +204,11 @@ class TensorVerdict:
                 f"(ratio {self.ratio:.3g}x).\n  Relative RMS error {self.rel_rms:.3g} (same-precision baseline "
                 f"{self.baseline_rel_rms:.3g}); max abs error {self.max_abs:.3g}."
                 + (f"\n  {self.excluded:,} elements not judged (padding tokens / unused entries)." if self.excluded else "")
-                + (f"\n  {self.out_of_range:,} elements beyond the dtype's range (excluded)." if self.out_of_range else ""))
+                + (f"\n  {self.out_of_range:,} elements beyond the dtype's range (excluded)." if self.out_of_range else "")
+                + (f"\n  Its {len(self.elements)} largest ratios to budget:" if self.elements else "")
+                + "".join(f"\n    {tuple(e['index'])} ({', '.join(f'{k} {v}' for k, v in e['coords'].items())}): "
+                          f"actual {e['actual']:.6g}, expected {e['expected']:.6g}, error {e['error']:.3g}, budget "
+                          f"{e['budget']:.3g} ({e['ratio']:.3g}x)" for e in self.elements))
 
 
 def _label(name: str) -> str:
@@ -223,10 +231,12 @@ def _json_float(x):
 
 
 def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.Tensor, case: Case,
-                 inputs: Inputs, factor: float = FACTOR, reference: Optional[torch.Tensor] = None) -> TensorVerdict:
+                 inputs: Inputs, factor: float = FACTOR, reference: Optional[torch.Tensor] = None,
+                 top: int = 0) -> TensorVerdict:
     """Judge one tensor. ``actual`` may be None (missing), any dtype/device; truth and base are float64.
     ``reference``: measure the error against it instead of ``truth`` (the budget still comes from truth and
-    base) — used to compare two implementations."""
+    base) — used to compare two implementations. ``top``: also list the elements of the ``top`` largest ratios
+    (`TensorVerdict.elements`)."""
     short = name.split(".", 1)[-1]
     axes = axes_of(kind, short, case)
     if actual is None:
@@ -306,7 +316,23 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
                 "cell_noise": cell_noise}
     tv.status = "diverged" if tv.ratio > 1.0 else "ok"
     tv.ratio_map, tv.map_axes = _reduce_map(ratio, axes)
+    if top:
+        tv.elements = _largest(ratio, a, ref, err, budget, top, axes, case)
     return tv
+
+
+def _largest(ratio, a, ref, err, budget, top: int, axes, case: Case) -> list:
+    """The elements of the ``top`` largest ratios (none of ratio 0: unjudged or exact), largest first."""
+    ratios, flats = ratio.reshape(-1).topk(min(top, ratio.numel()))
+    rows = torch.stack([ratios, *(t.reshape(-1)[flats] for t in (a, ref, err, budget))]).T.tolist()
+    found = []
+    for flat, (r, actual, expected, error, bound) in zip(flats.tolist(), rows):
+        if r <= 0:
+            break
+        index = tuple(int(i) for i in np.unravel_index(flat, tuple(ratio.shape)))
+        found.append({"index": list(index), "coords": coordinates_of(index, axes, case), "actual": actual,
+                      "expected": expected, "error": error, "budget": bound, "ratio": r})
+    return found
 
 
 def element_budget(t, b, judged, axes: TensorAxes, case: Case, u: float, factor: float = FACTOR):
@@ -431,23 +457,24 @@ def failed_run(impl: str, status: str, detail: str, seconds: float = 0.0) -> Ver
 
 
 def judge(impl: str, case: Case, inputs: Inputs, outputs, truth, base, stages: bool = False,
-          factor: float = FACTOR, seconds: float = 0.0) -> Verdict:
+          factor: float = FACTOR, seconds: float = 0.0, top: int = 0) -> Verdict:
     """Judge an implementation's ``outputs`` (harness.evaluation.Evaluation) against the oracle's ``truth`` with the
     baseline ``base`` (Evaluations too): every output and gradient the oracle has, and with
-    ``stages`` every stage both sides expose (named "stage.<name>")."""
+    ``stages`` every stage both sides expose (named "stage.<name>"). ``top``: each tensor also lists the
+    elements of its ``top`` largest ratios (`TensorVerdict.elements`)."""
     bases = list(base) if isinstance(base, (list, tuple)) else [base]
     tensors = []
     for name, value in truth.outputs.items():
         tensors.append(judge_tensor(name, "output", outputs.outputs.get(name), value,
-                                    [e.outputs[name] for e in bases], case, inputs, factor))
+                                    [e.outputs[name] for e in bases], case, inputs, factor, top=top))
     for name, value in truth.grads.items():
         tensors.append(judge_tensor(f"grad.{name}", "grad", outputs.grads.get(name), value,
-                                    [e.grads[name] for e in bases], case, inputs, factor))
+                                    [e.grads[name] for e in bases], case, inputs, factor, top=top))
     if stages:
         for name, value in truth.stages.items():
             if name in outputs.stages and name in bases[0].stages:
                 tensors.append(judge_tensor(f"stage.{name}", "stage", outputs.stages[name], value,
-                                            [e.stages[name] for e in bases], case, inputs, factor))
+                                            [e.stages[name] for e in bases], case, inputs, factor, top=top))
     judged = [t for t in tensors if t.kind != "stage"]
     status = max((t.status for t in judged), key=severity, default="ok")
     finite = [t.ratio for t in judged if math.isfinite(t.ratio)]

@@ -98,6 +98,8 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
     assert run.returncode == 1, run.stdout + run.stderr
     assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", device]) == 1
     assert "reproduces the stored verdict exactly" in capsys.readouterr().out
+    assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", device, "--worst", "2"]) == 1
+    assert "largest ratios to budget:\n    (" in capsys.readouterr().out
 
 
 def test_replay_of_a_case_a_side_does_not_take_names_what(tmp_path, device, capsys):

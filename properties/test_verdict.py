@@ -487,3 +487,24 @@ def test_a_sample_moves_a_float16_subnormal_by_half_its_spacing():
     assert torch.equal((moved - t)[:3].abs(), torch.full((3,), 2.0 ** -25))
     assert float((moved[3] - 1).abs()) == 2.0 ** -11                  # a normal value: u |t|, as before
     assert torch.equal(baseline._perturb(t, "bfloat16", baseline.Signs(1))[2:3], t[2:3])   # no floor in bf16
+
+
+def test_the_elements_of_the_largest_ratios_are_listed_when_asked_for(device):
+    """``top``: the planted elements, largest ratio first, each with its budget; none of ratio 0; none unasked."""
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case, device)
+    t = truth.outputs["y"]
+    budget, *_ = element_budget(t, [b.outputs["y"] for b in bases], torch.ones_like(t, dtype=torch.bool),
+                                axes_of("output", "y", case), case, UNIT_ROUNDOFF[torch.float16])
+    actual = t.clone()
+    planted = {(1, 17, 2, 1): 10.0, (0, 3, 0, 0): 30.0, (1, 20, 3, 2): 2.0}
+    for where, multiple in planted.items():
+        actual[where] += multiple * budget[where]
+    assert y_of(case, inputs, truth, bases, actual).elements == []
+    tv = judge_tensor("y", "output", actual, t, [b.outputs["y"] for b in bases], case, inputs, top=5)
+    assert [tuple(e["index"]) for e in tv.elements] == sorted(planted, key=planted.get, reverse=True)
+    for e in tv.elements:
+        assert e["ratio"] == pytest.approx(planted[tuple(e["index"])], rel=1e-9)
+        assert e["budget"] == pytest.approx(float(budget[tuple(e["index"])]), rel=1e-12)
+    assert "Its 3 largest ratios to budget:\n    (0, 3, 0, 0) (batch 0, token 3" in tv.message("impl")
+    assert tv.to_dict()["elements"] == tv.elements
