@@ -242,6 +242,35 @@ def test_dt_on_a_bound_of_its_limit_passes_its_gradient(device):
     _assert_ok(judge(IMPL, case, inputs, get(IMPL).run(case, inputs), truth, base))
 
 
+@pytest.mark.parametrize("entry", ["chunk_scan", "split_conv1d"])
+def test_nothing_reads_the_dA_cumsum_past_the_last_token(entry, device, monkeypatch):
+    """In a chunk the sequence ends inside, the dA cumsum past the last token adds only the fill's zeros; a
+    kernel that reads the chunk's total there (at Q - 1, as mamba_ssm's chunk-state kernel does: its defect
+    mamba-ragged-chunk-final-state-decay) meets tl.cumsum's different rounding of that position on a GPU. With
+    the cumsum past every sequence's end shifted by 0.5, the outputs and gradients are bitwise the same."""
+    import kernels.ssd.combined as combined
+
+    case = Case(entry=entry, batch=2, seqlen=21, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=16, D="head",
+                initial_states=True, return_final_states=True, regime=Regime(decay="strong"), pass_="backward",
+                final_state_grad=True, **({"conv_width": 2} if entry == "split_conv1d" else {}))
+    impl = get(IMPL)
+    inputs = materialize(case, device)
+    plain = impl.run(case, inputs)
+    cumsum = combined.ssd_cumsum_fwd
+
+    def shifted_past_the_end(dt, *args, **kwargs):
+        dt_out, dA_cs = cumsum(dt, *args, **kwargs)
+        past = torch.arange(dA_cs.shape[2] * dA_cs.shape[3], device=dA_cs.device) >= dt.shape[1]
+        return dt_out, dA_cs + 0.5 * past.reshape(dA_cs.shape[2:])
+
+    monkeypatch.setattr(combined, "ssd_cumsum_fwd", shifted_past_the_end)
+    shifted = impl.run(case, inputs)
+    for name in plain.outputs:
+        assert torch.equal(plain.outputs[name], shifted.outputs[name]), name
+    for name in plain.grads:
+        assert torch.equal(plain.grads[name], shifted.grads[name]), f"grad.{name}"
+
+
 @_settings(8)
 @given(case=cases(entry="split_conv1d", dtypes=DTYPES, bounds=Bounds(max_batch=2, max_seqlen=16, max_nheads=4,
                                                                      max_headdim=4, max_dstate=4,

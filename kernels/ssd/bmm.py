@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import load_seq, seq_bounds, tile_major
+from kernels.ssd.common import last_in_chunk, load_seq, seq_bounds, tile_major
 
 G16 = configs.GRANULE
 
@@ -124,7 +124,7 @@ def ssd_bwd_kernel_dbc(
             m_a = m_r & (b_seq == seq_prev) & (b_seq >= 0)
             b_a = tl.where(m_a, tl.exp(b_cs), 0.0)
         else:
-            b_cs_last = tl.load(dA_cs + o_cs + Q - 1)
+            b_cs_last = tl.load(dA_cs + o_cs + last_in_chunk(i_c, L, Q))
             b_dt = tl.load(dt_out + o_cs + o_r, mask=o_r < Q, other=0.0)
             m_a = m_r & (b_seq == seq_last) & (b_seq >= 0)
             b_a = tl.where(m_a, tl.exp(b_cs_last - b_cs) * b_dt, 0.0)

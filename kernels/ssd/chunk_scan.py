@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import idx64, in_chunk, load_seq, seq_bounds, tile_major
+from kernels.ssd.common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
 
 G16 = configs.GRANULE
 
@@ -307,7 +307,7 @@ def ssd_bwd_kernel_dx(
     o_cs = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * Q
     b_cs_j = tl.load(dA_cs + o_cs + o_j, mask=o_j < Q, other=0.0)
     b_dt_j = tl.load(dt_out + o_cs + o_j, mask=o_j < Q, other=0.0)
-    b_cs_last = tl.load(dA_cs + o_cs + Q - 1)
+    b_cs_last = tl.load(dA_cs + o_cs + last_in_chunk(i_c, L, Q))
     p_CB = CB + ((i_b.to(tl.int64) * NC + i_c) * G + i_g) * Q * Q
     p_ds = ds + i_b.to(tl.int64) * s_d_b + i_h * s_d_h
 

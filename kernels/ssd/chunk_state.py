@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import idx64, in_chunk, load_seq, seq_bounds, tile_major
+from kernels.ssd.common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
 
 
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})
@@ -42,10 +42,9 @@ def ssd_kernel_chunk_state(
     o_seq = i_b.to(tl.int64) * s_seq_b
     seq_last, seq_prev = seq_bounds(seq_idx, o_seq, s_seq_l, i_c, L, Q, HAS_SEQ_IDX)
     o_cs = ((i_b.to(tl.int64) * H + i_h) * NC + i_c) * Q
-    b_cs_last = tl.load(dA_cs + o_cs + Q - 1)
-
     t_0 = i_c * Q                                  # the chunk's first token
     n_q = tl.minimum(Q, L - t_0)                   # its tokens before L
+    b_cs_last = tl.load(dA_cs + o_cs + last_in_chunk(i_c, L, Q))
     p_X = X + i_b.to(tl.int64) * s_x_b + t_0.to(tl.int64) * s_x_l + i_h * s_x_h + o_p[:, None] * s_x_p
     p_B = Bm + i_b.to(tl.int64) * s_b_b + t_0.to(tl.int64) * s_b_l + i_g * s_b_g + o_n[None, :] * s_b_n
     b_acc = tl.zeros([BP, BN], dtype=tl.float32)

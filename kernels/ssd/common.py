@@ -4,7 +4,8 @@ Conventions (every kernel):
 - x, z, dy: (b, L, h, p); dt: (b, L, h); B, C: (b, L, g, n); seq_idx: (b, L) int32 — any strides.
 - Chunk-major fp32 intermediates: dt_out and dA_cumsum (b, h, c, Q); CB (b, c, g, Q, Q); chunk states,
   passed states (b, c, h, p, n); final states (b, h, p, n). Positions past L inside the last chunk behave
-  like tokens with dt = 0 of the same sequence as the last real token (they change nothing).
+  like tokens with dt = 0 of the same sequence as the last real token (they change nothing); a chunk's dA
+  cumsum total is read at its last real token (``last_in_chunk``), not at Q - 1.
 - Program ids are cast to int64 before they meet a stride, so offsets past 2**31 elements are safe. The
   inner loops of the chunk state and the chunk scan start from a pointer at the chunk's first token and add
   int32 token offsets (``in_chunk``; int64 only where ``idx64`` finds a chunk's span could pass int32).
@@ -53,6 +54,15 @@ def in_chunk(o_q, IDX64: tl.constexpr):
     else:
         o_w = o_q
     return o_w
+
+
+@triton.jit
+def last_in_chunk(i_c, L, Q):
+    """The position inside chunk ``i_c`` of its last token before L: where a chunk's dA cumsum total is read.
+    Past it the cumsum adds only the fill's zeros, so its value at Q - 1 equals this one in exact arithmetic, but
+    tl.cumsum (a parallel scan on a GPU) rounds the two positions differently: 1-2 ulps, 0.008-0.016 at
+    |dA_cumsum| ~ 1e5, which exp(cs_last - cs_j) turns into a 1.6% error on the last tokens' share of the state."""
+    return tl.minimum(Q, L - i_c * Q) - 1
 
 
 @triton.jit

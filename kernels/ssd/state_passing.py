@@ -15,12 +15,12 @@ import triton
 import triton.language as tl
 
 from kernels.ssd import configs
-from kernels.ssd.common import seq_bounds
+from kernels.ssd.common import last_in_chunk, seq_bounds
 
 
 @triton.jit
 def _keep(dA_cs, seq_idx, i_b, i_h, k, H, NC, L, Q, s_seq_b, s_seq_l, HAS_SEQ_IDX: tl.constexpr):
-    b_cs_last = tl.load(dA_cs + ((i_b.to(tl.int64) * H + i_h) * NC + k) * Q + Q - 1)
+    b_cs_last = tl.load(dA_cs + ((i_b.to(tl.int64) * H + i_h) * NC + k) * Q + last_in_chunk(k, L, Q))
     seq_last, seq_prev = seq_bounds(seq_idx, i_b.to(tl.int64) * s_seq_b, s_seq_l, k, L, Q, HAS_SEQ_IDX)
     return tl.where((seq_last == seq_prev) & (seq_last >= 0), tl.exp(b_cs_last), 0.0)
 
