@@ -21,7 +21,8 @@ def test_three_oracles_agree(device, case):
 
 def test_three_oracles_agree_with_dt_on_a_bound_of_its_limit(device):
     """Their gradients agree where dt lies exactly on a bound of dt_limit (drawn float32 values never do; bf16
-    ones often do), where the chunked oracle once halved the gradient (torch.minimum's tie rule)."""
+    ones often do), where a clamp built of torch.minimum / torch.maximum would halve the gradient (their tie
+    rule) and torch.clamp passes it."""
     case = Case(batch=2, seqlen=20, nheads=2, headdim=3, dstate=2, chunk_size=8, has_dt_bias=False,
                 dt_softplus=False, dt_limit=(0.25, 1.0), initial_states=True, pass_="backward", final_state_grad=True)
     inputs, _ = dt_on_its_bounds(case, device)
