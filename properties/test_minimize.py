@@ -161,8 +161,9 @@ def test_repro_watches_the_elements_out_of_their_own_budgets(device):
 
 def test_repro_exits_1_where_a_watched_element_is_out_of_its_budget(device, tmp_path):
     """repro.py holds each watched element to its own budget: the same side passes with the budgets ssdiff
-    recorded, and fails once the element's recorded budget is one no error meets."""
-    side = "harness.doubles:healthy"
+    recorded, and fails once the element's recorded budget is one no error meets. The side is one repro.py calls
+    directly (mamba_ssm's kernel), so that the script runs where ssdiff is importable only from its checkout."""
+    side = "mamba_ssm.chunk_scan_combined"
     with Examiner([side], device) as examiner:
         outcome = examiner.examine(SMALL)
     outputs, index, small, _ = _nudged_at_a_small_budget(outcome)
