@@ -54,7 +54,8 @@ def campaign(impl: str, pass_: str, dtype: str, budget: float, cache: str, out: 
             "production": t.get("production_shape_cases"),
             "largest_ratio": worst, "divergences": len(summary.get("divergences", [])),
             "divergent_cases": [_case_of(d) for d in summary.get("divergences", [])],
-            "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])), "wall_s": round(wall, 1),
+            "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])),
+            "tf32_explained": len(summary.get("tf32_explained") or []), "wall_s": round(wall, 1),
             "required_factor": {key.split(" ", 1)[1]: spread for key, spread in
                                 (summary.get("required_factor_by_side") or {}).items() if key.split(" ")[0] == impl}}
 
@@ -136,7 +137,8 @@ def print_table(rows, budget, cold_budget=None):
         table.add_row(r["impl"], str(r["device"]), r["dtype"], r["pass"], cell(cold, "per_minute"),
                       cell(cold, "first_s"), cell(warm, "per_minute"), cell(warm, "first_s"), share,
                       cell(warm, "largest_ratio", "{:.3g}"),
-                      f"{warm.get('divergences', '-')} (+{warm.get('known', 0)} known)"
+                      f"{warm.get('divergences', '-')} (+{warm.get('known', 0)} known"
+                      + (f", +{warm['tf32_explained']} TF32's)" if warm.get("tf32_explained") else ")")
                       if "error" not in warm else "; ".join(warm["error"]))
     console = Console(width=200)
     console.print(table)

@@ -259,6 +259,10 @@ def cmd_fuzz(args) -> int:
             console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
         elif finding.minimize_problem:
             err_console.print(f"  minimize: {finding.minimize_problem}", highlight=False, soft_wrap=True)
+    for finding in report.tf32_explained:
+        console.rule(f"divergence {finding.number}: TF32's loss (after {finding.found_after_s:.1f} s)")
+        console.print(fuzzer.message(finding), highlight=False, markup=False, soft_wrap=True)
+        console.print(f"-> {finding.path}", highlight=False, soft_wrap=True)
     if report.known:
         console.rule("known defects of the installed releases")
         for entry in report.known.values():
@@ -289,8 +293,11 @@ def cmd_fuzz(args) -> int:
                           highlight=False, soft_wrap=True)
     known_cases = sum(entry["reproduced"] for entry in report.known.values())
     verdict = (f"{len(report.findings)} new divergence(s)" if report.findings else "no new divergence")
-    if known_cases:
-        verdict += f" ({known_cases} case(s) of known defects)"
+    apart = ([f"{known_cases} case(s) of known defects"] if known_cases else []) + \
+        ([f"{len(report.tf32_explained)} float32 divergence(s) within budget with exact float32 dots: TF32's loss"]
+         if report.tf32_explained else [])
+    if apart:
+        verdict += f" ({'; '.join(apart)})"
     console.print(f"{verdict}; output: {report.out_dir}/ (summary.json"
                   f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
                   soft_wrap=True)

@@ -28,13 +28,14 @@ import itertools
 import math
 import os
 import platform
+import shutil
 import time
 from array import array
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from harness import huge, known, localize, oracle, runtime, store, tiling
+from harness import huge, known, localize, oracle, runtime, store, tf32, tiling
 from harness.examine import PHASES, Examiner, Outcome, UsageError
 from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
@@ -127,6 +128,9 @@ class Finding:
     staged: dict = field(default_factory=dict)     # side -> Verdict with stages (the localization re-run)
     minimized: Optional[object] = None             # harness.minimize.Minimized, when minimized
     minimize_problem: str = ""                     # why it was not minimized (it no longer diverges, ...)
+    # float32 under TF32 (harness/tf32.py): what the replay with exact float32 dots said within budget (the
+    # finding then moves to FuzzReport.tf32), "" where it still diverged there, None where not replayed
+    tf32_replay: Optional[str] = None
     minimize_seconds: float = 0.0
 
 
@@ -141,6 +145,9 @@ class FuzzReport:
     worst: dict = field(default_factory=dict)          # dtype -> {ratio, side, tensor, case}
     worst_by_side: dict = field(default_factory=dict)
     findings: list = field(default_factory=list)
+    # float32 divergences under TF32 within budget replayed with exact float32 dots (harness/tf32.py): TF32's loss,
+    # reported apart from the findings
+    tf32_explained: list = field(default_factory=list)
     elapsed: float = 0.0
     stopped: str = ""
     first_divergence_s: Optional[float] = None
@@ -205,7 +212,12 @@ class FuzzReport:
                              "cases_before": f.cases_before, "case": f.outcome.case.describe(),
                              "summary": f.localization.get("text", ""),
                              "minimized": f.minimized.minimal.describe() if f.minimized else None,
-                             "minimize_problem": f.minimize_problem or None} for f in self.findings],
+                             "minimize_problem": f.minimize_problem or None,
+                             "tf32_replay": f.tf32_replay} for f in self.findings],
+            "tf32_explained": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
+                                "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
+                                "case": f.outcome.case.describe(), "replay": f.tf32_replay}
+                               for f in self.tf32_explained],
             "known_policy": cfg.known, "known": list(self.known.values()),
             "python": platform.python_version(), "platform": platform.platform(),
             "environment": environment(cfg.device),
@@ -224,14 +236,6 @@ def _key_of_round(keys):
     if not big or not regular:
         return st.sampled_from(keys)
     return st.integers(0, 99).flatmap(lambda r: st.sampled_from(big if r < HUGE_CASES_PERCENT else regular))
-
-
-def tf32_hint(case, device: str) -> Optional[str]:
-    """What a float32 divergence on a GPU whose float32 dots run in TF32 should be replayed under, else None."""
-    if case.dtype == "float32" and str(device).startswith("cuda") and runtime.fp32_dot() == "tf32":
-        return ("float32 dots ran in TF32 here: a replay under TRITON_F32_DEFAULT=ieee tells TF32's loss from a "
-                "defect (harness/README.md, 'Known limit: TF32 in the fused mixer's backward')")
-    return None
 
 
 class Fuzzer:
@@ -388,23 +392,48 @@ class Fuzzer:
             if v.ratio >= self.report.worst_by_side.get(key, {}).get("ratio", -1.0):
                 self.report.worst_by_side[key] = item
 
-    def _record(self, outcome: Outcome) -> Optional[Finding]:
+    def _record(self, outcome: Outcome) -> Finding:
+        """The finding of the outcome's signature: a new one (saved in its folder; without keep_going replayed
+        with exact float32 dots where TF32 applies, then localized), or the earlier one, its repeats counted."""
         sig = outcome.signature()
         if sig in self._signatures:
             self._signatures[sig].repeats += 1
-            return None
+            return self._signatures[sig]
         loc = {"sides": localize.sides(outcome.verdicts, outcome.pair or None)}
         loc["text"] = loc["sides"]["text"]
-        finding = Finding(number=len(self.report.findings) + 1, outcome=outcome, localization=loc,
+        number = len(self.report.findings) + len(self.report.tf32_explained) + 1
+        finding = Finding(number=number, outcome=outcome, localization=loc,
                           found_after_s=self._elapsed(), cases_before=self.report.tried - 1)
         self._signatures[sig] = finding
         self.report.findings.append(finding)
         if self.report.first_divergence_s is None:
             self.report.first_divergence_s = finding.found_after_s
-        if self.config.localize and not self.config.keep_going:
-            self._localize(finding)
         finding.path = str(self._write(finding))
+        if not self.config.keep_going:
+            self._replay_with_exact_dots(finding)
+            if self.config.localize and not finding.tf32_replay:
+                self._localize(finding)
+                self._write(finding)
         return finding
+
+    def _replay_with_exact_dots(self, finding: Finding) -> None:
+        """A float32 finding under TF32 replayed with exact float32 dots (harness/tf32.py). Within budget there it
+        moves from the findings to tf32_explained: TF32's loss, reported apart. Not replayed (the message keeps
+        the hint) under a sweep of configs, another oracle or factor: `ssdiff replay` runs one config and judges
+        with the default oracle and factor."""
+        cfg, o = self.config, finding.outcome
+        if finding.tf32_replay is not None or not tf32.applies(o.case, cfg.device) or o.choice == "sweep" \
+                or cfg.factor != FACTOR or cfg.oracle != oracle.DEFAULT_ORACLE:
+            return
+        said = tf32.replay(cfg.impl, o.case, o.choice, cfg.device, finding.path, cfg.against)
+        finding.tf32_replay = said or ""
+        if said:
+            self.report.findings.remove(finding)
+            self.report.tf32_explained.append(finding)
+            folder = store.tf32_folder(self.out_dir, finding.number)
+            shutil.rmtree(folder, ignore_errors=True)
+            finding.path = str(shutil.move(finding.path, folder))
+        self._write(finding)
 
     def _localize(self, finding: Finding) -> None:
         """Stage, coordinates, trigger (harness/localize.py): re-runs with stages, ablations, configs. With
@@ -420,8 +449,9 @@ class Fuzzer:
 
     def _write(self, finding: Finding):
         o = finding.outcome
+        folder = finding.path or store.divergence_folder(self.out_dir, finding.number)
         return store.write_divergence(
-            store.divergence_folder(self.out_dir, finding.number), o.case, o.verdicts, self.message(finding),
+            folder, o.case, o.verdicts, self.message(finding),
             finding.localization, finding.staged, autotune=o.choice, device=self.config.device,
             runtime=runtime.describe(), oracle=self.config.oracle, budget_rule=budget_rule(self.config.factor),
             pair_ratio_by_tensor=o.pair, found_after_s=round(finding.found_after_s, 2),
@@ -436,9 +466,16 @@ class Fuzzer:
             worst = max(o.pair.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else 1e308)
             lines.append(f"the two sides differ by up to {worst[1]:.3g}x their joint budget ({worst[0]})")
         lines.append(finding.localization.get("text", ""))
-        hint = tf32_hint(o.case, self.config.device)
-        if hint:
-            lines.append(hint)
+        if finding.tf32_replay:
+            lines.append(f"replayed with exact float32 dots (TRITON_F32_DEFAULT=ieee): {finding.tf32_replay} The "
+                         f"loss is TF32's ({tf32.LIMIT})")
+        elif finding.tf32_replay == "":
+            lines.append("replayed with exact float32 dots (TRITON_F32_DEFAULT=ieee): still out of budget, so not "
+                         "TF32's loss")
+        else:
+            hint = tf32.hint(o.case, self.config.device)
+            if hint:
+                lines.append(hint)
         return "\n".join(lines)
 
     def _write_summary(self):
@@ -534,9 +571,9 @@ class Fuzzer:
         if target is not None:
             target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
         if set(outcome.failing) - explained:
-            self._record(outcome)
+            finding = self._record(outcome)
             self._write_summary()
-            if not cfg.keep_going:
+            if not cfg.keep_going and not finding.tf32_replay:
                 self._progress(outcome)
                 return True
         self._progress(outcome)
@@ -734,6 +771,10 @@ class Fuzzer:
             if not stop_reason:
                 stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]
+            if cfg.keep_going:
+                for finding in list(self.report.findings):
+                    self._replay_with_exact_dots(finding)
+                self._write_summary()
             if cfg.localize and cfg.keep_going:
                 for finding in self.report.findings:
                     self._localize(finding)

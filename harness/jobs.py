@@ -86,7 +86,7 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
     # required factors: counts add up and maxima compare, medians and percentiles do not merge (each job's are
     # under jobs)
     required: dict = {}
-    divergences, by_signature = [], {}
+    divergences, by_signature, tf32_explained = [], {}, []
     tried = skipped = production = 0
     per_case: dict = {}
     search_s, setup_s, first_judged, first_div = 0.0, 0.0, None, None
@@ -134,6 +134,7 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
                     acc[name] = acc.get(name, 0.0) + mean * c["cases"]
         if s.get("first_divergence_after_s") is not None:
             first_div = min(first_div or 1e30, s["first_divergence_after_s"])
+        tf32_explained += [dict(item, job=i) for item in s.get("tf32_explained") or []]
         for item in s.get("divergences") or []:
             item = dict(item, job=i)
             known_one = by_signature.get(item["signature"])
@@ -157,7 +158,8 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
         "harness_errors": errors, "elapsed_s": round(elapsed, 2),
         "stopped": "; ".join(sorted({j["stopped"] for j in jobs})),
         "first_divergence_after_s": first_div, "largest_ratio_by_dtype": worst, "largest_ratio_by_side": worst_side,
-        "required_factor_by_side": required, "divergences": divergences, "known": list(known.values()),
+        "required_factor_by_side": required, "divergences": divergences, "tf32_explained": tf32_explained,
+        "known": list(known.values()),
         "throughput": {
             "judged": tried, "skipped": skipped,
             "judged_per_minute": round(tried / minutes, 1) if minutes > 0 else None,

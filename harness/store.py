@@ -11,6 +11,8 @@ A saved run is a directory:
         minimized.json           the minimized case (when minimized)
         minimized-verdict.json   its verdict and how it was reached
         repro.py                 the standalone reproducer (harness/repro.py)
+    tf32-NNN/                    a float32 divergence under TF32 within budget with exact float32 dots
+                                 (harness/tf32.py): the same files as a divergence folder, not a divergence
 
 Records carry ``"format": FORMAT``; records without it are the first format, read the same way. A record
 from a newer format is refused with one line naming both versions.
@@ -64,6 +66,11 @@ def divergence_folder(run_dir, number: int) -> pathlib.Path:
     folder = pathlib.Path(run_dir) / f"divergence-{number:03d}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def tf32_folder(run_dir, number: int) -> pathlib.Path:
+    """Where divergence NNN goes once TF32 explains it (harness/tf32.py): not read as a divergence."""
+    return pathlib.Path(run_dir) / f"tf32-{number:03d}"
 
 
 def write_divergence(folder, case, verdicts: dict, message: str, localization: Optional[dict] = None,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 
 import pytest
 
-from harness import localize
+from harness import localize, runtime, store, tf32
 from harness.case import Case
 from harness.cli import main
 from harness.fuzz import FuzzConfig, Fuzzer, UsageError
@@ -344,16 +345,92 @@ def test_cli_exit_status_and_output(tmp_path, monkeypatch, capsys, device):
 
 
 def test_a_float32_divergence_under_tf32_says_how_to_tell_tf32_from_a_defect(monkeypatch):
-    from harness import runtime
-    from harness.fuzz import tf32_hint
-
     monkeypatch.setattr(runtime, "fp32_dot", lambda: "tf32")
-    assert "TRITON_F32_DEFAULT=ieee" in tf32_hint(Case(dtype="float32"), "cuda")
-    assert "TRITON_F32_DEFAULT=ieee" in tf32_hint(Case(dtype="float32"), "cuda:1")
-    assert tf32_hint(Case(dtype="float16"), "cuda") is None
-    assert tf32_hint(Case(dtype="float32"), "cpu") is None
+    assert "TRITON_F32_DEFAULT=ieee" in tf32.hint(Case(dtype="float32"), "cuda")
+    assert "TRITON_F32_DEFAULT=ieee" in tf32.hint(Case(dtype="float32"), "cuda:1")
+    assert tf32.hint(Case(dtype="float16"), "cuda") is None
+    assert tf32.hint(Case(dtype="float32"), "cpu") is None
     monkeypatch.setattr(runtime, "fp32_dot", lambda: "ieee")
-    assert tf32_hint(Case(dtype="float32"), "cuda") is None
+    assert tf32.hint(Case(dtype="float32"), "cuda") is None
+
+
+@pytest.mark.parametrize("replay_exit", [0, 1])
+def test_a_float32_divergence_under_tf32_is_replayed_with_exact_float32_dots(monkeypatch, tmp_path, replay_exit):
+    """tf32.replay: only a float32 case on a GPU under TF32 is replayed, by `ssdiff replay` in a fresh process with
+    TRITON_F32_DEFAULT=ieee and the same config and sides; a replay within budget explains the divergence, one
+    that still diverges leaves it standing."""
+    runs = []
+
+    def fake_run(cmd, **kwargs):
+        runs.append((cmd, kwargs["env"]["TRITON_F32_DEFAULT"]))
+        return subprocess.CompletedProcess(cmd, replay_exit, stdout="layer ...\nfla.mamba2_fused: within budget\n",
+                                           stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(runtime, "fp32_dot", lambda: "tf32")
+    case = Case(seqlen=8, headdim=4, dstate=4, chunk_size=4, dtype="float32", pass_="backward", seed=3)
+    said = tf32.replay("fla.mamba2_fused", case, 1, "cuda", tmp_path, against="ref.quadratic")
+    assert said == (None if replay_exit else "layer ... fla.mamba2_fused: within budget")
+    (cmd, precision), = runs
+    assert precision == "ieee" and cmd[cmd.index("--autotune") + 1] == "1"
+    assert cmd[cmd.index("--impl") + 1] == "fla.mamba2_fused" and cmd[cmd.index("--against") + 1] == "ref.quadratic"
+    assert Case.load(cmd[cmd.index("replay") + 1]) == case
+    assert tf32.replay("fla.mamba2_fused", case.replace(dtype="bfloat16"), 1, "cuda", tmp_path) is None
+    assert tf32.replay("fla.mamba2_fused", case, 1, "cpu", tmp_path) is None
+    monkeypatch.setattr(runtime, "fp32_dot", lambda: "ieee")
+    assert tf32.replay("fla.mamba2_fused", case, 1, "cuda", tmp_path) is None
+    assert len(runs) == 1, "only the float32 case on a GPU under TF32 is replayed"
+
+
+@pytest.mark.parametrize("within_budget", [True, False])
+def test_a_campaigns_float32_divergence_under_tf32_is_replayed_and_reported_apart_when_tf32s(
+        tmp_path, device, monkeypatch, within_budget):
+    """With keep_going, each float32 finding under TF32 is replayed with exact float32 dots after the search
+    (here a planted bug, the replay faked): within budget there it is TF32's loss, moved out of the findings into
+    summary.json's tf32_explained (exit 0, not localized); otherwise the finding stands and its message says so."""
+    spec = "harness.doubles:mask_bug"
+    replays, localized = [], []
+    monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
+    monkeypatch.setattr(tf32, "replay", lambda *args, **kw: (replays.append((args, kw)),
+                                                             "y within budget" if within_budget else None)[1])
+    real = Fuzzer._localize
+    monkeypatch.setattr(Fuzzer, "_localize", lambda self, f: (localized.append(f.number), real(self, f)))
+    report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",), keep_going=True)
+    assert replays, f"nothing found in {report.tried} cases"
+    (args, kw) = replays[0]
+    impl, case, choice, replay_device, folder, against = args
+    assert impl == spec and case.dtype == "float32" and choice == ONE_CONFIG and replay_device == device
+    assert folder == str(tmp_path / "divergence-001") and against is None and kw == {}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    if within_budget:
+        assert report.exit_code == 0 and not report.findings and not localized
+        assert len(report.tf32_explained) == len(replays) and summary["divergences"] == []
+        assert all(f.tf32_replay == "y within budget" for f in report.tf32_explained)
+        assert summary["tf32_explained"][0]["replay"] == "y within budget"
+        # its folder is not a divergence's: a report of the run (store.read_run) lists none
+        assert summary["tf32_explained"][0]["path"] == str(tmp_path / "tf32-001")
+        assert "The loss is TF32's" in (tmp_path / "tf32-001" / "message.txt").read_text()
+        assert store.read_run(tmp_path)["divergences"] == []
+    else:
+        message = (tmp_path / "divergence-001" / "message.txt").read_text()
+        assert report.exit_code == 1 and len(report.findings) == len(replays) and summary["tf32_explained"] == []
+        assert all(f.tf32_replay == "" for f in report.findings)
+        assert localized == [f.number for f in report.findings]
+        assert summary["divergences"][0]["tf32_replay"] == ""
+        assert "still out of budget, so not TF32's loss" in message
+
+
+def test_a_float32_divergence_tf32_explains_does_not_end_the_search(tmp_path, device, monkeypatch):
+    """Without keep_going the search ends at the first divergence TF32 does not explain: one it explains (the
+    replay, faked here, within budget) is reported apart and the search goes on."""
+    monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
+    monkeypatch.setattr(tf32, "replay", lambda *args, **kw: "within budget")
+    report = fuzz("harness.doubles:mask_bug", tmp_path, device, max_examples=60, pass_="forward",
+                  dtypes=("float32",))
+    assert report.tf32_explained and report.exit_code == 0 and report.stopped != "divergence found"
+    first = report.tf32_explained[0]
+    assert report.tried > first.cases_before + 1, "the search went on after the explained divergence"
+    assert [f.number for f in report.tf32_explained] == list(range(1, len(report.tf32_explained) + 1))
 
 
 def test_usage_errors_name_the_problem():

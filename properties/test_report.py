@@ -261,6 +261,23 @@ def test_a_clean_run_says_so_with_cases_and_the_largest_ratio(clean_run):
     assert "divergence-001" not in text
 
 
+def test_float32_divergences_tf32_explains_are_listed_apart_from_the_divergences(clean_run, tmp_path):
+    """summary.json's tf32_explained (harness/tf32.py) gets a table of its own and a word in the outcome; the page
+    stays a clean run's: no divergence."""
+    copy = tmp_path / "with-tf32"
+    shutil.copytree(clean_run.out, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["tf32_explained"] = [{"number": 1, "path": str(copy / "tf32-001"), "signature": "s", "repeats": 2,
+                                  "found_after_s": 1.0, "case": "chunk_scan b=1 L=65 | float32 backward",
+                                  "replay": "ssdiff.triton: every output and gradient within budget"}]
+    (copy / "summary.json").write_text(json.dumps(summary))
+    text = render.render_run(copy, tmp_path / "reports").read_text()
+    assert '<div class="banner clean" id="outcome">' in text and ", 1 TF32&#39;s" in text
+    part = text[text.index('<h2 id="tf32">'):]
+    assert "chunk_scan b=1 L=65 | float32 backward" in part and "every output and gradient within budget" in part
+    assert "Known limit: TF32" in part
+
+
 def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, tmp_path):
     # a private copy: under pytest-xdist the shared run folder is read by other workers at the same time
     copy = tmp_path / "with-repro"

@@ -40,11 +40,10 @@ from harness import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness import known, upstream  # noqa: E402
+from harness import known, tf32, upstream  # noqa: E402
 from harness.case import Case, Regime  # noqa: E402
 from harness.examine import Examiner, Outcome  # noqa: E402
 from harness.features import without  # noqa: E402
-from harness.fuzz import tf32_hint  # noqa: E402
 from harness.impls import all_implementations, get  # noqa: E402
 from harness.impls.generic import CallableImplementation  # noqa: E402
 from harness.inputs import materialize  # noqa: E402
@@ -84,25 +83,6 @@ def agrees_with_oracle(examiner: Examiner, case: Case, choice: runtime.Choice = 
     for verdict in outcome.verdicts.values():
         assert_agrees(verdict, case, choice)
     return outcome
-
-
-TF32_LIMIT = "harness/README.md, 'Known limit: TF32 in the fused mixer's backward'"
-
-
-def tf32_replay(name: str, case: Case, choice: runtime.Choice, device: str, folder: Path) -> Optional[str]:
-    """Where ``name`` diverged on a float32 ``case`` on a GPU whose float32 dots are TF32: the case replayed in a
-    fresh process under TRITON_F32_DEFAULT=ieee (exact float32 dots in the kernels, and the budget modelled for
-    them), the procedure TF32_LIMIT prescribes. What the replay printed when it is within budget there (the loss
-    is TF32's, which the model does not reproduce at such elements), else None: the divergence stands."""
-    if tf32_hint(case, device) is None:
-        return None
-    path = folder / f"tf32-{case.seed}-{abs(hash(case.to_json())) % 10 ** 8}.json"
-    path.write_text(case.to_json())
-    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    run = subprocess.run([sys.executable, "-m", "harness.cli", "replay", str(path), "--impl", name, "--device", device,
-                          "--autotune", str(choice)], capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env=dict(os.environ, TRITON_F32_DEFAULT="ieee", PYTHONPATH=os.pathsep.join(paths)))
-    return " ".join(run.stdout.split()) if run.returncode == 0 else None
 
 
 def expect_defect(request, defect: known.KnownDefect):
@@ -289,7 +269,7 @@ def usable(name: str, dtype: str, backward: bool, device: str):
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_upstream_matches_oracle(upstream, pass_, dtype, device, tmp_path):
     """Each upstream implementation agrees with the float64 oracle (harness/verdict.py). A float32 case out of
-    budget on a GPU under TF32 and within it replayed with exact float32 dots (`tf32_replay`) is TF32's loss: the
+    budget on a GPU under TF32 and within it replayed with exact float32 dots (harness/tf32.py) is TF32's loss: the
     property goes on, and ends as an expected failure that names those cases."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
@@ -299,7 +279,7 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device, tmp_path):
                     f"test_known_defect_reproduces)")
     n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=6)
     examiner = Examiner([impl.name], device)
-    tf32 = {}                               # case JSON -> what its replay with exact float32 dots said
+    tf32_cases = {}                         # case JSON -> what its replay with exact float32 dots said
 
     @settings(max_examples=n, **SETTINGS)
     @given(case=cases_for(impl, dtype, backward, device), config=CONFIGS)
@@ -307,19 +287,19 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device, tmp_path):
         try:
             agrees_with_oracle(examiner, case, config)
         except AssertionError as diverged:
-            said = tf32_replay(impl.name, case, config, device, tmp_path)
+            said = tf32.replay(impl.name, case, config, device, tmp_path)
             if said is None:
                 raise
-            tf32[case.to_json(indent=None)] = f"{str(diverged).splitlines()[0]} Replayed under " \
+            tf32_cases[case.to_json(indent=None)] = f"{str(diverged).splitlines()[0]} Replayed under " \
                                               f"TRITON_F32_DEFAULT=ieee: {said}"
 
     for case in pinned_cases(impl, dtype, backward, device):
         agrees = example(case=case, config=3)(agrees)
     agrees()
-    if tf32:
-        case, said = next(iter(tf32.items()))
-        pytest.xfail(f"{len(tf32)} float32 case(s) out of budget under TF32 and within it with exact float32 dots "
-                     f"({TF32_LIMIT}); the first: {said} case: {case}")
+    if tf32_cases:
+        case, said = next(iter(tf32_cases.items()))
+        pytest.xfail(f"{len(tf32_cases)} float32 case(s) out of budget under TF32 and within it with exact float32 dots "
+                     f"({tf32.LIMIT}); the first: {said} case: {case}")
 
 
 # Every feature at once, run first by every property whatever the example budget (narrowed to each adapter).
@@ -835,31 +815,3 @@ def test_a_pass_an_implementation_refuses_is_skipped_with_its_reason(monkeypatch
     with pytest.raises(pytest.skip.Exception, match="refused: test guard"):
         usable(impl.name, "float32", True, device)
     assert impl.skip_reason(Case(pass_="backward"), device) == "refused: test guard"
-
-
-@pytest.mark.parametrize("replay_exit", [0, 1])
-def test_a_float32_divergence_under_tf32_is_replayed_with_exact_float32_dots(monkeypatch, tmp_path, replay_exit):
-    """tf32_replay: only a float32 case on a GPU under TF32 is replayed, in a fresh process with
-    TRITON_F32_DEFAULT=ieee and the same config; a replay within budget explains the divergence, one that still
-    diverges leaves it standing."""
-    runs = []
-
-    def fake_run(cmd, **kwargs):
-        runs.append((cmd, kwargs["env"]["TRITON_F32_DEFAULT"]))
-        return subprocess.CompletedProcess(cmd, replay_exit, stdout="layer ...\nfla.mamba2_fused: within budget\n",
-                                           stderr="")
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setattr(runtime, "fp32_dot", lambda: "tf32")
-    case = Case(seqlen=8, headdim=4, dstate=4, chunk_size=4, dtype="float32", pass_="backward", seed=3)
-    said = tf32_replay("fla.mamba2_fused", case, 1, "cuda", tmp_path)
-    assert said == (None if replay_exit else "layer ... fla.mamba2_fused: within budget")
-    (cmd, precision), = runs
-    assert precision == "ieee" and cmd[cmd.index("--autotune") + 1] == "1" and cmd[cmd.index("--impl") + 1] == \
-        "fla.mamba2_fused"
-    assert Case.load(cmd[cmd.index("replay") + 1]) == case
-    assert tf32_replay("fla.mamba2_fused", case.replace(dtype="bfloat16"), 1, "cuda", tmp_path) is None
-    assert tf32_replay("fla.mamba2_fused", case, 1, "cpu", tmp_path) is None
-    monkeypatch.setattr(runtime, "fp32_dot", lambda: "ieee")
-    assert tf32_replay("fla.mamba2_fused", case, 1, "cuda", tmp_path) is None
-    assert len(runs) == 1, "only the float32 case on a GPU under TF32 is replayed"

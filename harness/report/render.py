@@ -23,8 +23,9 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 
 from harness.case import Case, CaseError
 from harness.features import BY_KEY
-from harness.store import RunError, read_run
 from harness.oracle.result import STAGE_ORDER
+from harness.store import RunError, read_run
+from harness.tf32 import LIMIT as TF32_LIMIT
 
 MAX_GRADIENT_MAPS = 4          # per side and divergence: the worst diverging gradients get a heatmap
 # Inline images of one page, shared equally by its divergences (the 5 MB page limit, less room for text).
@@ -362,6 +363,9 @@ def build_page(run: dict, name: str) -> dict:
     outcome = ("clean" if clean else f"{len(divergences)} divergence{'s' if len(divergences) != 1 else ''}")
     if known_cases:
         outcome += f", {known_cases} known"
+    tf32_explained = summary.get("tf32_explained") or []
+    if tf32_explained:
+        outcome += f", {len(tf32_explained)} TF32's"
     generated = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     ran = datetime.datetime.fromtimestamp(run["mtime"]).astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return {
@@ -374,6 +378,7 @@ def build_page(run: dict, name: str) -> dict:
         "skip_reasons": summary.get("skip_reasons") or {},
         "known": summary.get("known") or [],
         "known_cases": known_cases,
+        "tf32_explained": tf32_explained, "tf32_limit": TF32_LIMIT,
         "settings": [(k, summary.get(k)) for k in SETTINGS if summary.get(k) not in (None, [], "")],
     }
 
