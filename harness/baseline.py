@@ -52,6 +52,7 @@ from harness.case import Case
 from harness.evaluation import Evaluation, evaluate_graph
 from harness.inputs import Inputs
 from harness.oracle.result import STAGE_ORDER
+from harness.verdict import overflow_edge
 
 COMPUTE = torch.float32
 # The oracle at other inputs: (case, inputs) -> Evaluation (e.g. harness.oracle.evaluate).
@@ -156,6 +157,9 @@ class FoldedSigns:
 # by up to 2^-25 whatever the value, not by u |t| (a gradient of a few 1e-6 held in float16 keeps a few bits).
 # bfloat16 and float32 share float32's range: their subnormals sit far below any value a case produces.
 SUBNORMAL_HALF_SPACING = {"float16": 2.0 ** -25}
+# Where float16 overflows (verdict.overflow_edge: 65520). bfloat16 and float32 overflow far above any value a
+# case produces.
+OVERFLOW = {"float16": overflow_edge(torch.float16)}
 
 
 def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Tensor:
@@ -167,12 +171,19 @@ def _perturb(t: torch.Tensor, precision: str, gen: Optional[Signs]) -> torch.Ten
 
 
 def _moved(t: torch.Tensor, precision: str, signs: torch.Tensor) -> torch.Tensor:
-    """`_perturb` with its signs given."""
-    moved = t * (1.0 + UNIT[precision] * signs)
+    """`_perturb` with its signs given. A value within one rounding error of the precision's overflow is moved
+    outward whatever its sign, so that it overflows in every perturbed sample: a kernel that stores it there may
+    store Inf (a float16 gradient of 65517.5 in mamba's fused mixer was Inf, the model's samples finite), and the
+    verdict leaves out what a sample's overflow reaches."""
+    u = UNIT[precision]
+    moved = t * (1.0 + u * signs)
     floor = SUBNORMAL_HALF_SPACING.get(precision)
-    if floor is None:
-        return moved
-    return torch.where(UNIT[precision] * t.abs() >= floor, moved, t + floor * signs)
+    if floor is not None:
+        moved = torch.where(u * t.abs() >= floor, moved, t + floor * signs)
+    edge = OVERFLOW.get(precision)
+    if edge is not None:
+        moved = torch.where(t.abs() * (1.0 + u) >= edge, t * (1.0 + u), moved)
+    return moved
 
 
 class _Round(torch.autograd.Function):

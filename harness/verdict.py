@@ -30,6 +30,13 @@ JUDGE_LISTENERS: list = []
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
                  torch.bfloat16: 2.0 ** -8}
 
+
+def overflow_edge(dtype: torch.dtype) -> float:
+    """The magnitude from which a value rounds to Inf in ``dtype``: its largest finite value plus half a unit
+    in the last place there (65520 in float16)."""
+    info = torch.finfo(dtype)
+    return float(info.max) * (1.0 + UNIT_ROUNDOFF[dtype] / (2.0 - 2.0 * UNIT_ROUNDOFF[dtype]))
+
 # Verdict statuses, least to most severe. "ok" is the only passing one.
 STATUSES = ("ok", "diverged", "nonfinite", "mismatch", "error", "crash", "hang")
 RUN_FAILURES = ("error", "crash", "hang")
@@ -263,9 +270,16 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     mask = judged_mask(kind, short, case, inputs, axes, t.shape)
     judged = torch.ones_like(t, dtype=torch.bool) if mask is None else mask.to(device)
     # Out of the dtype's range: the oracle beyond the storage dtype's largest value, or a baseline overflow.
-    in_range = (torch.isfinite(ref) & (t.abs() <= torch.finfo(storage_dtype(kind, short, case, inputs)).max)
-                & torch.isfinite(b).all(0))
+    stored = storage_dtype(kind, short, case, inputs)
+    in_range = (torch.isfinite(ref) & (t.abs() <= torch.finfo(stored).max) & torch.isfinite(b).all(0))
     bad = judged & in_range & ~torch.isfinite(a)
+    if bool(bad.any()):
+        # An Inf of the oracle's sign where a value within the budget would round to Inf (its magnitude plus the
+        # budget reaching the dtype's overflow) is out of the dtype's range too, not a divergence.
+        budget = element_budget(t, b, judged & in_range, axes, case, UNIT_ROUNDOFF[stored], factor)[0]
+        reach = (ref.abs() + budget >= overflow_edge(stored)) & torch.isinf(a) & (torch.sign(a) == torch.sign(ref))
+        in_range = in_range & ~(bad & reach)
+        bad = bad & ~reach
     # the counts in one transfer: on a GPU every scalar read waits for the device
     out_of_range, excluded, n_judged, count = (int(v) for v in torch.stack([
         (judged & ~in_range).sum(), (~judged).sum(), (judged & in_range).sum(), bad.sum()]).tolist())

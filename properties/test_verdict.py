@@ -489,6 +489,50 @@ def test_a_sample_moves_a_float16_subnormal_by_half_its_spacing():
     assert torch.equal(baseline._perturb(t, "bfloat16", baseline.Signs(1))[2:3], t[2:3])   # no floor in bf16
 
 
+def test_a_sample_overflows_a_float16_value_within_one_rounding_error_of_overflow(device):
+    """Every perturbed sample moves a value within one rounding error of float16's overflow (65520) outward, so
+    that it is Inf there, whatever its sign; round to nearest keeps it; a value further in moves as before. (An
+    H200 calibration campaign met mamba's fused mixer with the gradient of the activated conv output at 65517.5
+    stored as Inf, its zxbcdt gradient Inf where the oracle's was -2384.6, and the model's two perturbed samples
+    both moved that value inward: judged, not left out.)"""
+    t = torch.tensor([65517.5, -65500.0, 65480.0, 1.0], dtype=torch.float32, device=device)
+    assert torch.isfinite(baseline.round_to(t, "float16")).all()
+    for seed in range(1, 9):
+        perturbed = baseline._perturb(t, "float16", baseline.Signs(seed))
+        moved = baseline.round_to(perturbed, "float16")
+        assert torch.isinf(moved[:2]).all() and torch.equal(torch.sign(moved[:2]), torch.sign(t[:2]))
+        assert torch.isfinite(moved[2:]).all()
+        assert float((perturbed[3] - 1).abs()) == 2.0 ** -11
+    assert torch.isfinite(baseline._perturb(t, "bfloat16", baseline.Signs(1))).all()
+
+
+def test_an_inf_where_a_value_within_budget_would_overflow_is_out_of_range_not_a_divergence(device):
+    """An Inf of the oracle's sign where the oracle's magnitude plus the element's budget reaches float16's
+    overflow (65520) is out of the dtype's range: counted, not judged (an H200 calibration campaign met mamba's
+    fused mixer with a float16 conv1d_weight gradient Inf where the oracle's was -65499.2). Far from the edge, or
+    a NaN, or an Inf of the other sign, stays a divergence."""
+    case = RICH.replace(pass_="forward", final_state_grad=False)
+    inputs, truth, bases = prepared(case, device)
+    t = truth.outputs["y"].clone()
+    samples = [b.outputs["y"].clone() for b in bases]
+    edge, far = (0, 3, 0, 0), (1, 17, 2, 1)
+    for x in (t, *samples):
+        x[edge], x[far] = -65499.2, 30000.0
+
+    def judged_with(at_edge, at_far):
+        actual = t.clone()
+        actual[edge], actual[far] = at_edge, at_far
+        return judge_tensor("y", "output", actual, t, samples, case, inputs)
+
+    tv = judged_with(-math.inf, 30000.0)
+    assert tv.status == "ok" and tv.out_of_range == 1, tv.detail
+    tv = judged_with(-math.inf, math.inf)
+    assert tv.status == "nonfinite" and tv.out_of_budget == 1 and tv.out_of_range == 1, tv.detail
+    for wrong in (math.nan, math.inf):
+        tv = judged_with(wrong, 30000.0)
+        assert tv.status == "nonfinite" and tv.out_of_range == 0, tv.detail
+
+
 def test_the_elements_of_the_largest_ratios_are_listed_when_asked_for(device):
     """``top``: the planted elements, largest ratio first, each with its budget; none of ratio 0; none unasked."""
     case = RICH.replace(pass_="forward", final_state_grad=False)
