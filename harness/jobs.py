@@ -245,6 +245,9 @@ def run(args, argv: list, console, err_console) -> int:
         console.print(message.read_text(encoding="utf-8") if message.is_file() else d["summary"], highlight=False,
                       markup=False, soft_wrap=True)
         console.print(f"-> {d['path']}", highlight=False, soft_wrap=True)
+    for item in merged["tf32_explained"]:
+        console.print(f"TF32's loss (job {item['job']}): {item['case']}: replayed with exact float32 dots: "
+                      f"{item['replay']} -> {item['path']}", highlight=False, soft_wrap=True)
     for entry in merged["known"]:
         if entry["reproduced"]:
             console.print(f"known {entry['id']}: reproduced in {entry['reproduced']} case(s), first: "

@@ -34,7 +34,8 @@ def hint(case, device) -> Optional[str]:
     """What a float32 divergence on a GPU whose float32 dots run in TF32 should be replayed under, else None."""
     if not applies(case, device):
         return None
-    return f"float32 dots ran in TF32 here: a replay under TRITON_F32_DEFAULT=ieee tells TF32's loss from a defect ({LIMIT})"
+    return (f"float32 dots ran in TF32 here: a replay under TRITON_F32_DEFAULT=ieee tells TF32's loss from a "
+            f"defect ({LIMIT})")
 
 
 def replay(impl: str, case, choice, device, folder, against: Optional[str] = None) -> Optional[str]:

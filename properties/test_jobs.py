@@ -16,7 +16,7 @@ def test_each_job_gets_its_own_seed_output_and_share_of_the_examples():
     assert jobs.shares(None, 2) == [None, None]
 
 
-def _job(tmp_path, i, signature_ratio, divergences, known_count):
+def _job(tmp_path, i, signature_ratio, divergences, known_count, tf32_explained=()):
     d = tmp_path / f"job-{i}"
     items = []
     for n, sig in enumerate(divergences, 1):
@@ -28,7 +28,8 @@ def _job(tmp_path, i, signature_ratio, divergences, known_count):
     store.write_summary(d, {
         "impl": "x", "cases_tried": 10 + i, "cases_skipped": 1, "skip_reasons": {"why": 1}, "stopped": "time",
         "largest_ratio_by_dtype": {"float32": {"ratio": signature_ratio, "side": "x", "tensor": "y", "case": "c"}},
-        "largest_ratio_by_side": {}, "divergences": items, "first_divergence_after_s": 1.0 + i,
+        "largest_ratio_by_side": {}, "divergences": items, "tf32_explained": list(tf32_explained),
+        "first_divergence_after_s": 1.0 + i,
         "required_factor_by_side": {"x float32": {"outputs": {"verdicts": 3 + i, "median": 0.5, "p99": 0.9,
                                                               "max": signature_ratio * 4}}},
         "known": [{"id": "k", "reproduced": known_count, "matched_not_reproduced": 0, "first_example": {"a": i},
@@ -40,8 +41,11 @@ def _job(tmp_path, i, signature_ratio, divergences, known_count):
 
 
 def test_merged_summary_sums_the_jobs_and_keeps_one_folder_per_signature(tmp_path):
-    dirs = [_job(tmp_path, 0, 0.2, ["a", "b"], 2), _job(tmp_path, 1, 0.7, ["b", "c"], 3)]
+    tf32 = {"number": 3, "path": str(tmp_path / "job-1" / "tf32-003"), "signature": "t", "repeats": 0,
+            "found_after_s": 2.0, "case": "c", "replay": "within budget"}
+    dirs = [_job(tmp_path, 0, 0.2, ["a", "b"], 2), _job(tmp_path, 1, 0.7, ["b", "c"], 3, [tf32])]
     merged = jobs.merge(tmp_path, dirs, 11, 40.0, [1, 1])
+    assert merged["tf32_explained"] == [dict(tf32, job=1)]          # listed apart, its folder left with its job
     assert merged["cases_tried"] == 21 and merged["cases_skipped"] == 2 and merged["skip_reasons"] == {"why": 2}
     assert [d["signature"] for d in merged["divergences"]] == ["a", "b", "c"]
     assert [d["repeats"] for d in merged["divergences"]] == [1, 3, 1]          # b: 1 + job 1's (1 + 1 repeat)

@@ -298,8 +298,8 @@ def test_upstream_matches_oracle(upstream, pass_, dtype, device, tmp_path):
     agrees()
     if tf32_cases:
         case, said = next(iter(tf32_cases.items()))
-        pytest.xfail(f"{len(tf32_cases)} float32 case(s) out of budget under TF32 and within it with exact float32 dots "
-                     f"({tf32.LIMIT}); the first: {said} case: {case}")
+        pytest.xfail(f"{len(tf32_cases)} float32 case(s) out of budget under TF32 and within it with exact float32 "
+                     f"dots ({tf32.LIMIT}); the first: {said} case: {case}")
 
 
 # Every feature at once, run first by every property whatever the example budget (narrowed to each adapter).
