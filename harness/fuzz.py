@@ -128,10 +128,10 @@ class Finding:
     staged: dict = field(default_factory=dict)     # side -> Verdict with stages (the localization re-run)
     minimized: Optional[object] = None             # harness.minimize.Minimized, when minimized
     minimize_problem: str = ""                     # why it was not minimized (it no longer diverges, ...)
-    # float32 under TF32 (harness/tf32.py): what the replay with exact float32 dots said within budget (the
-    # finding then moves to FuzzReport.tf32), "" where it still diverged there, None where not replayed
-    tf32_replay: Optional[str] = None
     minimize_seconds: float = 0.0
+    # float32 under TF32 (harness/tf32.py): what the replay with exact float32 dots said within budget (the
+    # finding then moves to FuzzReport.tf32_explained), "" where it still diverged there, None where not replayed
+    tf32_replay: Optional[str] = None
 
 
 @dataclass
@@ -430,6 +430,7 @@ class Fuzzer:
         if said:
             self.report.findings.remove(finding)
             self.report.tf32_explained.append(finding)
+            self.report.first_divergence_s = min((f.found_after_s for f in self.report.findings), default=None)
             folder = store.tf32_folder(self.out_dir, finding.number)
             shutil.rmtree(folder, ignore_errors=True)
             finding.path = str(shutil.move(finding.path, folder))

@@ -37,6 +37,7 @@ def overflow_edge(dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
     return float(info.max) * (1.0 + UNIT_ROUNDOFF[dtype] / (2.0 - 2.0 * UNIT_ROUNDOFF[dtype]))
 
+
 # Verdict statuses, least to most severe. "ok" is the only passing one.
 STATUSES = ("ok", "diverged", "nonfinite", "mismatch", "error", "crash", "hang")
 RUN_FAILURES = ("error", "crash", "hang")
@@ -273,16 +274,17 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     stored = storage_dtype(kind, short, case, inputs)
     in_range = (torch.isfinite(ref) & (t.abs() <= torch.finfo(stored).max) & torch.isfinite(b).all(0))
     bad = judged & in_range & ~torch.isfinite(a)
-    if bool(bad.any()):
+    # the counts in one transfer: on a GPU every scalar read waits for the device
+    counts = lambda: (int(v) for v in torch.stack([
+        (judged & ~in_range).sum(), (~judged).sum(), (judged & in_range).sum(), bad.sum()]).tolist())
+    out_of_range, excluded, n_judged, count = counts()
+    if count:
         # An Inf of the oracle's sign where a value within the budget would round to Inf (its magnitude plus the
         # budget reaching the dtype's overflow) is out of the dtype's range too, not a divergence.
         budget = element_budget(t, b, judged & in_range, axes, case, UNIT_ROUNDOFF[stored], factor)[0]
-        reach = (ref.abs() + budget >= overflow_edge(stored)) & torch.isinf(a) & (torch.sign(a) == torch.sign(ref))
-        in_range = in_range & ~(bad & reach)
-        bad = bad & ~reach
-    # the counts in one transfer: on a GPU every scalar read waits for the device
-    out_of_range, excluded, n_judged, count = (int(v) for v in torch.stack([
-        (judged & ~in_range).sum(), (~judged).sum(), (judged & in_range).sum(), bad.sum()]).tolist())
+        reach = bad & (ref.abs() + budget >= overflow_edge(stored)) & (a == math.inf * ref.sign())
+        in_range, bad = in_range & ~reach, bad & ~reach
+        out_of_range, excluded, n_judged, count = counts()
     judged = judged & in_range
 
     if count:
