@@ -640,7 +640,7 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
     b, L, _ = tensors["zxbcdt"].shape
     zx0, z, xBC, dt = torch.split(tensors["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=xBC.device)
-    dot, store = rounding.dot, rounding.store
+    store = rounding.store
     xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding, folds))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")

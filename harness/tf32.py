@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -47,8 +48,9 @@ def replay(impl: str, case, choice, device, folder, against: Optional[str] = Non
         return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tf32-{case.seed}-{abs(hash(case.to_json())) % 10 ** 8}.json"
-    path.write_text(case.to_json())
+    text = case.to_json()
+    path = folder / f"tf32-{case.seed}-{zlib.crc32(text.encode()):08x}.json"
+    path.write_text(text)
     cmd = [sys.executable, "-m", "harness.cli", "replay", str(path), "--impl", impl, "--device", str(device),
            "--autotune", str(choice)]
     if against:

@@ -39,6 +39,7 @@ def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_
     import shutil
 
     from harness.case import Case
+    from harness.minimize import replay
 
     rows = tmp_path / "rows.json"
     assert bench.main(["--impl", "harness.doubles:group_bug:forward", "--dtype", "float32", "--budget", "5",
@@ -50,3 +51,4 @@ def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_
     for data in warm["divergent_cases"]:
         case = Case.from_dict(data)
         assert case.ngroups > 1          # the planted bug reads another group's B
+        assert replay(case, "harness.doubles:group_bug", device=device).diverged, case.describe()
