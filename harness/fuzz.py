@@ -228,14 +228,28 @@ def _sig_text(sig) -> str:
     return "; ".join(f"{side}: {status}" + (f" in {', '.join(names)}" if names else "") for side, status, names in sig)
 
 
-def _key_of_round(keys):
-    """A strategy for the key of a round's next case: uniform over the keys, but a huge key's HUGE_CASES_PERCENT."""
-    from hypothesis import strategies as st
-
-    regular, big = [k for k in keys if k.kind != "huge"], [k for k in keys if k.kind == "huge"]
-    if not big or not regular:
-        return st.sampled_from(keys)
-    return st.integers(0, 99).flatmap(lambda r: st.sampled_from(big if r < HUGE_CASES_PERCENT else regular))
+def round_shares(keys, examples: int, round_: int) -> list:
+    """(slot, key, examples) of each search of a pooled round: its ``examples`` spread over its keys, a huge key
+    HUGE_CASES_PERCENT of them, the others equal shares (the remainder one each, from slot ``round_`` on), in slot
+    order from ``round_`` (so that a round cut short by the budget does not always cut the same kind of key).
+    One search per key, not one whose draws pick the key: Hypothesis picks a key where its draws lead, so that a
+    production key came up for 437 of 2,000 cases over 20 rounds of four keys, and a targeted search climbs in
+    the key of its largest ratio; a key's share of the cases is its share of the keys."""
+    n = len(keys)
+    order = [(round_ + i) % n for i in range(n)]
+    big = [i for i in order if keys[i].kind == "huge"]
+    regular = [i for i in order if keys[i].kind != "huge"]
+    counts = dict.fromkeys(order, 0)
+    if regular:
+        for i in big:
+            counts[i] = round(examples * HUGE_CASES_PERCENT / 100)
+        left = examples - sum(counts.values())
+        for j, i in enumerate(regular):
+            counts[i] = left // len(regular) + (j < left % len(regular))
+    else:
+        for j, i in enumerate(big):
+            counts[i] = examples // len(big) + (j < examples % len(big))
+    return [(i, keys[i], counts[i]) for i in order if counts[i]]
 
 
 class Fuzzer:
@@ -675,12 +689,11 @@ class Fuzzer:
             choices = st.just(cfg.autotune)
         entry = self.entries[0] if len(self.entries) == 1 else None
 
-        def strategy(keys):
-            """(case, boundary or None, choice, key or None): from the round's compile keys, or drawn freely."""
-            if keys:
-                return _key_of_round(keys).flatmap(lambda key: st.tuples(
-                    cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary), choices,
-                    st.just(key)))
+        def strategy(key):
+            """(case, boundary or None, choice, key or None): from a compile key of the round, or drawn freely."""
+            if key is not None:
+                return st.tuples(cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary),
+                                 choices, st.just(key))
             return maybe_boundary(self.boundaries, self.bounds.boundary_rate).flatmap(lambda b: st.tuples(
                 cases(entry=entry, dtypes=cfg.dtypes, bounds=self.bounds, backward=self.backward, boundary=b),
                 st.just(b), choices, st.none()))
@@ -708,9 +721,8 @@ class Fuzzer:
                 stop_reason.append("divergence found")
                 raise Stop()
 
-        def search(max_examples: int, seed, targeted: bool = True):
-            keys = self.pool.keys if self.pool else None
-            test = given(strategy(tuple(keys) if keys else None))(explore)
+        def search(max_examples: int, seed, targeted: bool = True, key=None):
+            test = given(strategy(key))(explore)
             test = settings(max_examples=max_examples, deadline=None, database=None,
                             phases=[Phase.generate, Phase.target] if targeted else [Phase.generate],
                             suppress_health_check=list(HealthCheck), print_blob=False,
@@ -742,7 +754,8 @@ class Fuzzer:
                 # target is observed its mutations toward it crowd out fresh draws (2 of 100 drawn cases had
                 # ngroups > 1 with rmsnorm, against 18 without targeting): one unbounded targeted search would
                 # spend a CPU campaign near its first cases.
-                # With a compile pool every round draws from its keys, and one key is swapped between rounds.
+                # With a compile pool a round is one search per key (`round_shares`), and one key is swapped
+                # between rounds.
                 idle = 0
                 for round_ in itertools.count():
                     examples = ROUND_EXAMPLES if cfg.max_examples is None else \
@@ -753,7 +766,14 @@ class Fuzzer:
                     if self.compiler is not None and self._judge_tuned_pending():
                         stop_reason.append("divergence found")
                         break
-                    search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
+                    if self.pool is None:
+                        search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
+                    else:
+                        for slot, key, share in round_shares(self.pool.keys, examples, round_):
+                            search(share, None if cfg.seed is None else f"{cfg.seed}/{round_}/{slot}",
+                                   targeted=round_ % 2 == 1, key=key)
+                            if stop_reason or self._out_of_budget():
+                                break
                     if stop_reason or self._out_of_budget():
                         break
                     idle = idle + 1 if self.report.tried == before else 0

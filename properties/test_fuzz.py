@@ -7,6 +7,7 @@ a toy chunked kernel with a planted bug, the fused mixer with the seed-000 norm 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -574,3 +575,39 @@ def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
     for round_, key in arrived:
         assert queued[key] <= max(0, round_ - COMPILE_AHEAD_ROUNDS), (round_, queued[key], key.describe())
     assert all(queued[k] == 0 for k in fuzzer.pool.keys if k not in dict(arrived).values())
+
+
+def test_each_compile_key_gets_its_share_of_a_rounds_cases(tmp_path, device):
+    """A pooled round is one search per key, so each key gets an equal share of the round's examples, in the
+    targeted round too, where the small keys' cases score higher (Hypothesis picking each case's key gave a
+    production key 437 of 2,000 cases over 20 rounds of four keys); a huge key gets HUGE_CASES_PERCENT."""
+    from harness.fuzz import HUGE_CASES_PERCENT, ROUND_EXAMPLES, at_production_shape, round_shares
+
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=210,
+                               pool=True, compile_ahead=False, autotune=0, pass_="mixed", dtypes=("float32",),
+                               report_dir=None, out_dir=str(tmp_path), seed=3,
+                               pool_mix=Mix(size=4, production=0.25, boundary=0.25)))
+    assert sorted(k.kind for k in fuzzer.pool.keys) == ["boundary", "production", "small", "small"]
+    searched = []
+
+    def judge(case, choice, target=None):
+        fuzzer.report.tried += 1
+        if target is not None:                  # a searched case, not a key's representative
+            production = at_production_shape(case)
+            searched.append(production)
+            target(0.0 if production else 1.0, label="log10 ratio to budget")
+        return False
+
+    fuzzer._judge = judge
+    fuzzer.run()
+    # 8 representatives, round 0 (100 cases), the new key's 2 representatives, round 1 (targeted: 100 cases)
+    assert len(searched) == 2 * ROUND_EXAMPLES
+    assert sum(searched) == 2 * ROUND_EXAMPLES // 4
+
+    keys = [dataclasses.replace(k, kind="huge") if k.kind == "production" else k for k in fuzzer.pool.keys]
+    for round_ in range(4):
+        shares = round_shares(keys, ROUND_EXAMPLES, round_)
+        assert [slot for slot, _, _ in shares] == [(round_ + i) % 4 for i in range(4)]
+        assert sorted(n for _, key, n in shares if key.kind == "huge") == [ROUND_EXAMPLES * HUGE_CASES_PERCENT // 100]
+        assert sum(n for _, _, n in shares) == ROUND_EXAMPLES
+    assert [n for _, _, n in round_shares(fuzzer.pool.keys, 6, 1)] == [2, 2, 1, 1]
