@@ -6,7 +6,8 @@ module is the model kernel. It is the chunked evaluation order of every fast SSD
 those kernels compute:
 
 - arithmetic in float32 (register accumulators), including the dA cumsum, exp of segment sums, state passing,
-  the D skip, the z gate and the gated RMSNorm;
+  the D skip, the z gate and the gated RMSNorm; a decay factor below float32's smallest normal is flushed to
+  zero in the perturbed samples, as a GPU kernel's exp flushes it (`Rounding.decay`);
 - every operand of a matrix product rounded to the *dot precision*: the case dtype for float16 / bfloat16,
   TF32 (10-bit mantissa, truncated as Hopper's tensor cores read fp32 operands) for float32 on a CUDA GPU under
   Triton's default ``input_precision`` (the H200 table
@@ -119,6 +120,10 @@ class Signs:
         shape = t.shape if shape is None else shape
         return torch.randint(0, 2, shape, generator=gen, device=t.device, dtype=t.dtype) * 2 - 1
 
+    def perturbed(self, t: torch.Tensor):
+        """Whether each element of ``t`` belongs to a perturbed sample: all of them."""
+        return True
+
 
 class FoldedSigns:
     """The random signs of several evaluations folded into one (`evaluate_folded`): fold i of a tensor (rows
@@ -148,6 +153,14 @@ class FoldedSigns:
             parts.append(t.new_zeros((zeros * m,) + t.shape[1:]))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
+    def perturbed(self, t: torch.Tensor):
+        """Whether each row of ``t`` (its leading axis, the folds' rows) belongs to a perturbed sample's fold,
+        shaped to broadcast against ``t``."""
+        if len(self.samples) == 1:
+            return bool(self.samples[0])
+        rows = torch.tensor([k != 0 for k in self.samples], device=t.device)
+        return rows.repeat_interleave(t.shape[0] // len(self.samples)).view((-1,) + (1,) * (t.dim() - 1))
+
     def fold(self, i: int) -> Optional[Signs]:
         """Fold i's own generator (None for a sample rounded to nearest), for a tensor of that fold alone."""
         return self._signs[i]
@@ -155,8 +168,12 @@ class FoldedSigns:
 
 # Half the spacing of the subnormals, where they matter: below float16's smallest normal (6.1e-5) a rounding errs
 # by up to 2^-25 whatever the value, not by u |t| (a gradient of a few 1e-6 held in float16 keeps a few bits).
-# bfloat16 and float32 share float32's range: their subnormals sit far below any value a case produces.
+# bfloat16 and float32 share float32's range: their subnormals sit far below any value a case stores (a decay
+# factor may reach them: FLOAT32_TINY).
 SUBNORMAL_HALF_SPACING = {"float16": 2.0 ** -25}
+# float32's smallest normal, which bfloat16 and TF32 share. A GPU kernel's float32 exp flushes a result below it to
+# zero (Triton on NVIDIA: libdevice in flush-to-zero mode, ex2.approx.ftz): see `Rounding.decay`.
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 # Where float16 overflows (verdict.overflow_edge: 65520). bfloat16 and float32 overflow far above any value a
 # case produces.
 OVERFLOW = {"float16": overflow_edge(torch.float16)}
@@ -342,6 +359,17 @@ class Rounding:
         entering = initial[:, None] if after.shape[1] == 1 else torch.cat([initial[:, None], after[:, :-1]], dim=1)
         return entering, after[:, -1]
 
+    def decay(self, log_decay):
+        """``exp(log_decay)`` in float32: a decay factor (a segment sum's, a cumsum's, a step's ``A * dt``). A GPU
+        kernel's float32 exp flushes a result below float32's smallest normal (1.2e-38) to zero; the
+        interpreter's keeps it. Where a value hangs on such a factor (dt > 20 with a strong decay: an H200 replay
+        of fla's chunk_simple_gla gave y 0 where the oracle's was -2.3e-37, from a decay of ~8e-40), either
+        result is right: every perturbed sample flushes the factor, round to nearest keeps it."""
+        d = torch.exp(log_decay)
+        if self.gen is None:
+            return d
+        return torch.where((d < FLOAT32_TINY) & self.gen.perturbed(d), torch.zeros_like(d), d)
+
     def grad_operand(self, t):
         """A product's result whose *gradient* the backward kernels round as an operand (Mamba-2's dstates
         kernel rounds dout * exp(dA_cs) to the input dtype before its dot with C)."""
@@ -447,21 +475,21 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
                           dim=-2)                                            # (b, c, g, r, i, j)
     csT = cs_g.permute(0, 1, 3, 4, 2)                                        # (b, c, g, r, Q)
     seg = direct + ((csT[..., :, None] - csT[..., None, :]) - direct).detach()
-    decay = torch.exp(torch.where(allowed, seg, torch.full_like(seg, -math.inf)))
+    decay = rounding.decay(torch.where(allowed, seg, torch.full_like(seg, -math.inf)))
     W = dot(CB[:, :, :, None] * decay * d_g.permute(0, 1, 3, 4, 2)[..., None, :])      # (b, c, g, r, i, j)
     y_diag = torch.einsum("bcgrij,bcjgrp->bcigrp", W, xq)
 
     # Each chunk's own end state: B scaled by decay-to-end and dt, rounded, times x.
     last_seq = seq_c[:, :, -1]
     own = (seq_c == last_seq[:, :, None]) & real_c                           # (b, c, Q)
-    to_end = torch.exp(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * d_g * own[..., None, None]   # (b, c, Q, g, r)
+    to_end = rounding.decay(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * d_g * own[..., None, None]   # (b, c, Q, g, r)
     Bs = dot(Bq[:, :, :, :, None, :] * to_end[..., None])                    # (b, c, Q, g, r, n)
     chunk_states = keep(torch.einsum("bcjgrp,bcjgrn->bcgrpn", xq, Bs))
 
     # State passing in float32.
     prev_last = torch.cat([torch.zeros_like(last_seq[:, :1]), last_seq[:, :-1]], dim=1)
     survives = (last_seq == prev_last) & (last_seq >= 0)
-    chunk_decay = torch.exp(cs_g[:, :, -1])
+    chunk_decay = rounding.decay(cs_g[:, :, -1])
     # Backward, the gradient of the state at each chunk boundary (dstates) runs through the recurrence in
     # float32 but is stored in the input dtype where it is used: for the chunk states' inputs and as the
     # initial states' gradient (Mamba-2's state-passing backward, dstates_dtype=x.dtype).
@@ -472,7 +500,7 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
 
     # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
     reaches = (seq_c == prev_last[:, :, None]) & real_c
-    from_start = torch.exp(cs_g) * reaches[..., None, None]                  # (b, c, Q, g, r)
+    from_start = rounding.decay(cs_g) * reaches[..., None, None]                  # (b, c, Q, g, r)
     y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
     y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
 
@@ -539,7 +567,7 @@ def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precis
     ys = []
     for t in range(steps):
         d = _dt(dt[:, t], dt_bias, dt_softplus, dt_limit, rounding)             # (b, h)
-        dA = keep(torch.exp(keep(A * d)))[..., None, None]                     # (b, h, 1, 1)
+        dA = keep(rounding.decay(keep(A * d)))[..., None, None]                     # (b, h, 1, 1)
         dB = keep(B[:, t][:, heads] * d[..., None])                            # (b, h, n)
         update = keep(dB[:, :, None, :] * x[:, t][..., None])                  # (b, h, p, n)
         state = rounding._apply(keep(keep(state * dA) + update), state_precision)
@@ -602,11 +630,11 @@ def _sequence_end_states(seq, seg, cs_g, d_g, x_c, B_c, passed, prev_last, Q, L,
     for t in ends:
         k, i = divmod(t, Q)
         members = seq[k * Q:k * Q + i + 1] == at[t]
-        w = torch.exp(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * d_g[k, :i + 1] * members[:, None, None]
+        w = rounding.decay(seg[k, :, :, i, :i + 1]).permute(2, 0, 1) * d_g[k, :i + 1] * members[:, None, None]
         Bs = rounding.dot(B_c[k, :i + 1, :, None, :] * w[..., None])                     # (j, g, r, n)
         state = torch.einsum("jgrp,jgrn->grpn", x_c[k, :i + 1], Bs)
         if at[t] == before[k]:
-            state = state + torch.exp(cs_g[k, i])[..., None, None] * rounding.dot(passed[k])
+            state = state + rounding.decay(cs_g[k, i])[..., None, None] * rounding.dot(passed[k])
         g, r, p, n = state.shape
         states.append(state.reshape(g * r, p, n))
     return torch.stack(states) if states else None

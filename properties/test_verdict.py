@@ -7,6 +7,7 @@ their own; padding tokens and unused C.B^T entries are not judged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -531,6 +532,48 @@ def test_an_inf_where_a_value_within_budget_would_overflow_is_out_of_range_not_a
     for wrong in (math.nan, math.inf):
         tv = judged_with(wrong, 30000.0)
         assert tv.status == "nonfinite" and tv.out_of_range == 0, tv.detail
+
+
+# Found by an H200 replay of fla's chunk_simple_gla (0.6.0; bfloat16, forward; L=257, chunk 256, dt > 20): y at
+# the first token of the second chunk was 0 where the oracle's was -2.3e-37 (12x its budget), and the final state
+# 0 where it was -1.2e-37 (38x). There the decay from the chunk start is ~8e-40, below float32's smallest normal,
+# and a GPU kernel's exp flushes it to zero. Minimal (below): two chunks of one token, the second's x zero, so its
+# y and the final state are the first token's state times exp(A dt) alone.
+def flush_case(device, log_decay: float):
+    """A float32 case whose second token's y and final state are exp(log_decay) times the first token's state
+    (1.5e3) and whose first token's y is 0; returns (case, inputs)."""
+    case = Case(seqlen=2, nheads=1, headdim=1, dstate=1, chunk_size=1, D="none", has_dt_bias=False,
+                dt_softplus=False, regime=Regime(decay="none"))
+    inputs = materialize(case, device)
+    put = lambda value: torch.full_like(inputs.values["x"][:, :1], value)
+    values = dict(inputs.values, A=torch.full_like(inputs.values["A"], -1.0),
+                  x=torch.cat([put(5.0), put(0.0)], dim=1),
+                  dt=torch.tensor([[[100.0], [-log_decay]]], dtype=torch.float32, device=device),
+                  B=torch.full_like(inputs.values["B"], 3.0),
+                  C=torch.cat([torch.zeros_like(inputs.values["C"][:, :1]), torch.full_like(inputs.values["C"][:, 1:], 2.0)], dim=1))
+    return case, dataclasses.replace(inputs, values=values)
+
+
+def test_a_decay_factor_below_float32s_smallest_normal_may_be_flushed_to_zero(device):
+    """A kernel whose exp flushes exp(A dt) = 6e-39 (subnormal) to zero gives 0 where the oracle's y and final
+    state are 1.8e-35: within budget, as the kernel that keeps the factor is. A kernel that zeroes them where the
+    factor is 1.8e-35 (a normal float32) is not."""
+    for log_decay, flushed_ok in ((-88.0, True), (-80.0, False)):
+        case, inputs = flush_case(device, log_decay)
+        truth = evaluate(case, inputs)
+        bases = baseline.evaluate_samples(case, inputs, truth, evaluate)
+        t = truth.outputs["y"]
+        assert float(t[0, 1].abs().max()) == pytest.approx(1500.0 * 2.0 * math.exp(log_decay), rel=1e-6)
+        # round to nearest keeps the factor; the perturbed samples (folded beside it) flush it where it is subnormal
+        assert [bool(b.outputs["y"][0, 1].abs().max() == 0) for b in bases[:baseline.SAMPLES]] == \
+            [False] + [flushed_ok] * (baseline.SAMPLES - 1)
+        flushed = {"y": t.clone(), "final_states": torch.zeros_like(truth.outputs["final_states"])}
+        flushed["y"][0, 1] = 0.0
+        for name, kept in truth.outputs.items():
+            samples = [b.outputs[name] for b in bases]
+            assert judge_tensor(name, "output", kept, kept, samples, case, inputs).ok
+            tv = judge_tensor(name, "output", flushed[name], kept, samples, case, inputs)
+            assert tv.ok == flushed_ok, (log_decay, name, tv.detail)
 
 
 def test_the_elements_of_the_largest_ratios_are_listed_when_asked_for(device):
