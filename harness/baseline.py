@@ -482,7 +482,7 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     # Each chunk's own end state: B scaled by decay-to-end and dt, rounded, times x.
     last_seq = seq_c[:, :, -1]
     own = (seq_c == last_seq[:, :, None]) & real_c                           # (b, c, Q)
-    to_end = rounding.decay(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * d_g * own[..., None, None]   # (b, c, Q, g, r)
+    to_end = rounding.decay(seg[..., -1, :]).permute(0, 1, 4, 2, 3) * d_g * own[..., None, None]  # (b, c, Q, g, r)
     Bs = dot(Bq[:, :, :, :, None, :] * to_end[..., None])                    # (b, c, Q, g, r, n)
     chunk_states = keep(torch.einsum("bcjgrp,bcjgrn->bcgrpn", xq, Bs))
 
@@ -500,7 +500,7 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
 
     # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
     reaches = (seq_c == prev_last[:, :, None]) & real_c
-    from_start = rounding.decay(cs_g) * reaches[..., None, None]                  # (b, c, Q, g, r)
+    from_start = rounding.decay(cs_g) * reaches[..., None, None]             # (b, c, Q, g, r)
     y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
     y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
 
@@ -567,7 +567,7 @@ def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precis
     ys = []
     for t in range(steps):
         d = _dt(dt[:, t], dt_bias, dt_softplus, dt_limit, rounding)             # (b, h)
-        dA = keep(rounding.decay(keep(A * d)))[..., None, None]                     # (b, h, 1, 1)
+        dA = keep(rounding.decay(keep(A * d)))[..., None, None]                # (b, h, 1, 1)
         dB = keep(B[:, t][:, heads] * d[..., None])                            # (b, h, n)
         update = keep(dB[:, :, None, :] * x[:, t][..., None])                  # (b, h, p, n)
         state = rounding._apply(keep(keep(state * dA) + update), state_precision)

@@ -232,9 +232,9 @@ def round_shares(keys, examples: int, round_: int) -> list:
     """(slot, key, examples) of each search of a pooled round: its ``examples`` spread over its keys, a huge key
     HUGE_CASES_PERCENT of them, the others equal shares (the remainder one each, from slot ``round_`` on), in slot
     order from ``round_`` (so that a round cut short by the budget does not always cut the same kind of key).
-    One search per key, not one whose draws pick the key: Hypothesis picks a key where its draws lead, so that a
-    production key came up for 437 of 2,000 cases over 20 rounds of four keys, and a targeted search climbs in
-    the key of its largest ratio; a key's share of the cases is its share of the keys."""
+    One search per key, not one whose draws pick the key: Hypothesis picks a key where its draws lead (unequal
+    shares; a targeted search climbs in the key of its largest ratio), while a key's share of the cases should be
+    its share of the keys (a production key's, the pool's Mix.production)."""
     n = len(keys)
     order = [(round_ + i) % n for i in range(n)]
     big = [i for i in order if keys[i].kind == "huge"]

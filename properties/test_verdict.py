@@ -550,7 +550,8 @@ def flush_case(device, log_decay: float):
                   x=torch.cat([put(5.0), put(0.0)], dim=1),
                   dt=torch.tensor([[[100.0], [-log_decay]]], dtype=torch.float32, device=device),
                   B=torch.full_like(inputs.values["B"], 3.0),
-                  C=torch.cat([torch.zeros_like(inputs.values["C"][:, :1]), torch.full_like(inputs.values["C"][:, 1:], 2.0)], dim=1))
+                  C=torch.cat([torch.zeros_like(inputs.values["C"][:, :1]),
+                               torch.full_like(inputs.values["C"][:, 1:], 2.0)], dim=1))
     return case, dataclasses.replace(inputs, values=values)
 
 
