@@ -158,8 +158,10 @@ class FoldedSigns:
         shaped to broadcast against ``t``."""
         if len(self.samples) == 1:
             return bool(self.samples[0])
-        rows = torch.tensor([k != 0 for k in self.samples], device=t.device)
-        return rows.repeat_interleave(t.shape[0] // len(self.samples)).view((-1,) + (1,) * (t.dim() - 1))
+        # filled on the device (a tensor built from a host list would be a copy that waits for the device)
+        m = t.shape[0] // len(self.samples)
+        rows = torch.cat([torch.full((m,), k != 0, dtype=torch.bool, device=t.device) for k in self.samples])
+        return rows.view((-1,) + (1,) * (t.dim() - 1))
 
     def fold(self, i: int) -> Optional[Signs]:
         """Fold i's own generator (None for a sample rounded to nearest), for a tensor of that fold alone."""
@@ -362,9 +364,8 @@ class Rounding:
     def decay(self, log_decay):
         """``exp(log_decay)`` in float32: a decay factor (a segment sum's, a cumsum's, a step's ``A * dt``). A GPU
         kernel's float32 exp flushes a result below float32's smallest normal (1.2e-38) to zero; the
-        interpreter's keeps it. Where a value hangs on such a factor (dt > 20 with a strong decay: an H200 replay
-        of fla's chunk_simple_gla gave y 0 where the oracle's was -2.3e-37, from a decay of ~8e-40), either
-        result is right: every perturbed sample flushes the factor, round to nearest keeps it."""
+        interpreter's keeps it. Where a value hangs on such a factor (dt > 20 with a strong decay), either result
+        is right: every perturbed sample flushes the factor, round to nearest keeps it."""
         d = torch.exp(log_decay)
         if self.gen is None:
             return d

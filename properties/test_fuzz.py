@@ -579,8 +579,8 @@ def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
 
 def test_each_compile_key_gets_its_share_of_a_rounds_cases(tmp_path, device):
     """A pooled round is one search per key, so each key gets an equal share of the round's examples, in the
-    targeted round too, where the small keys' cases score higher (Hypothesis picking each case's key gave a
-    production key 437 of 2,000 cases over 20 rounds of four keys); a huge key gets HUGE_CASES_PERCENT."""
+    targeted round too, where the small keys' cases score higher (a search that picks each case's key gives the
+    keys unequal shares); a huge key gets HUGE_CASES_PERCENT."""
     from harness.fuzz import HUGE_CASES_PERCENT, ROUND_EXAMPLES, at_production_shape, round_shares
 
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=210,
