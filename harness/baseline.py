@@ -581,11 +581,14 @@ def step_scan(x, dt, A, B, C, state, *, rounding: Rounding = EXACT, state_precis
     return torch.stack(ys, dim=1), state
 
 
-def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT, folds: int = 0):
+def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT, folds: int = 0,
+          stored_before_activation: bool = False):
     """The depthwise causal conv1d as causal_conv1d computes it (float32; the bias first, then one
     multiply-add per tap, oldest first), each partial sum a rounding point: where the taps cancel, their
     rounding (u times the partial sums) is most of the output's error. A tap from another sequence (seq_idx)
-    counts nothing. (b, L, ch) -> (b, L, ch)."""
+    counts nothing. ``stored_before_activation``: the conv output is stored (`Rounding.store`) before the
+    activation, as a layer that runs torch's conv1d and its silu as two ops does; silu's slope magnifies that
+    rounding for negative inputs (relative by |1 + a (1 - sigmoid(a))|, 9 at a = -10). (b, L, ch) -> (b, L, ch)."""
     b, L, ch = xBC.shape
     W = weight.shape[-1]
     weight = over_rows(weight, folds, b, lead=1)                             # (ch, W), or (b, 1, ch, W) folded
@@ -598,7 +601,9 @@ def _conv(xBC, weight, bias, seq, activation, rounding: Rounding = EXACT, folds:
         if shift:
             src = src * (F.pad(seq, (shift, 0), value=-2)[:, :L] == seq).to(src.dtype)[..., None]
         acc = rounding.keep(acc + weight[..., k] * src)
-    return F.silu(acc) if activation == "silu" else acc
+    if activation != "silu":
+        return acc
+    return F.silu(rounding.store(acc) if stored_before_activation else acc)
 
 
 def _norm(y, z, weight, ngroups, eps, norm_before_gate, rounding: Rounding = EXACT):
@@ -670,7 +675,10 @@ def _mixer(tensors, case: Case, seq_idx, rounding: Rounding, folds: int):
     zx0, z, xBC, dt = torch.split(tensors["zxbcdt"], [2 * case.d_nonssm, dim, dim + 2 * g * n, h], dim=-1)
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=xBC.device)
     store = rounding.store
-    xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding, folds))
+    # fla's and transformers' torch paths run torch's conv1d and then the activation: a layer's conv output is
+    # stored before it (the fused mixer's conv applies silu to its float32 sum)
+    xBC = store(_conv(xBC, tensors["conv1d_weight"], tensors["conv1d_bias"], seq, case.activation, rounding, folds,
+                      stored_before_activation=case.entry == "layer"))
     x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     rms = tensors.get("rmsnorm_weight")
     zh = z.unflatten(-1, (h, p))

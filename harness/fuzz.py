@@ -40,7 +40,8 @@ from harness.examine import PHASES, Examiner, Outcome, UsageError
 from harness.pool import POOLED_ENTRIES, Mix, Pool
 from harness.report.environment import environment
 from harness.strategies import Bounds, cases, maybe_boundary
-from harness.verdict import FACTOR, PROCESS_FAILURES, REQUIRED_GROUPS, budget_rule, factor_spread, required_factors
+from harness.verdict import (FACTOR, PROCESS_FAILURES, REQUIRED_GROUPS, RUN_FAILURES, budget_rule, factor_spread,
+                             required_factors)
 
 PASSES = ("forward", "backward", "mixed")
 
@@ -434,10 +435,12 @@ class Fuzzer:
         """A float32 finding under TF32 replayed with exact float32 dots (harness/tf32.py). Within budget there it
         moves from the findings to tf32_explained: TF32's loss, reported apart. Not replayed (the message keeps
         the hint) under a sweep of configs, another oracle or factor: `ssdiff replay` runs one config and judges
-        with the default oracle and factor."""
+        with the default oracle and factor. Nor where a side's run failed (error, crash, hang): TF32 moves numbers,
+        and the replay runs in-process, where a hang holds it for the replay's whole timeout."""
         cfg, o = self.config, finding.outcome
         if finding.tf32_replay is not None or not tf32.applies(o.case, cfg.device) or o.choice == "sweep" \
-                or cfg.factor != FACTOR or cfg.oracle != oracle.DEFAULT_ORACLE:
+                or cfg.factor != FACTOR or cfg.oracle != oracle.DEFAULT_ORACLE \
+                or any(v.status in RUN_FAILURES for v in o.verdicts.values()):
             return
         said = tf32.replay(cfg.impl, o.case, o.choice, cfg.device, finding.path, cfg.against)
         finding.tf32_replay = said or ""

@@ -434,6 +434,19 @@ def test_a_float32_divergence_tf32_explains_does_not_end_the_search(tmp_path, de
     assert [f.number for f in report.tf32_explained] == list(range(1, len(report.tf32_explained) + 1))
 
 
+def test_a_run_that_failed_is_not_replayed_with_exact_float32_dots(tmp_path, device, monkeypatch):
+    """TF32 moves numbers; it does not make a run raise, crash or hang: such a float32 finding is not replayed (a
+    hang would hold the in-process replay for its whole timeout)."""
+    monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
+    replays = []
+    monkeypatch.setattr(tf32, "replay", lambda *args, **kw: replays.append(args))
+    spec = "harness.doubles:raises"
+    finding = only_finding(fuzz(spec, tmp_path, device, max_examples=3, pass_="forward", dtypes=("float32",),
+                                localize=False))
+    assert finding.outcome.verdicts[spec].status == "error" and finding.outcome.case.dtype == "float32"
+    assert replays == [] and finding.tf32_replay is None
+
+
 def test_usage_errors_name_the_problem():
     with pytest.raises(UsageError, match="share no entry point"):
         Fuzzer(FuzzConfig(impl="harness.doubles:healthy", against="harness.doubles:mixer", report_dir=None))
