@@ -643,7 +643,7 @@ def generic_and_builtin(device) -> Outcome:
     case = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=8, has_z=True, initial_states=True,
                 pass_="backward", final_state_grad=True)
     with Examiner([GENERIC_TARGET, SCAN], device) as examiner:
-        return examiner.examine(case)
+        return examiner.examine(case, ONE_CONFIG)
 
 
 def test_generic_adapter_runs_a_callable_like_the_builtin(generic_and_builtin):
@@ -727,7 +727,7 @@ def test_stage_intermediates_match_the_oracle(device):
     case = Case(batch=2, seqlen=20, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=8, D="channel", has_z=True,
                 initial_states=True, segments=((5, 15), (20,)))
     with Examiner([SCAN], device) as examiner:
-        verdict = examiner.examine(case, stages=True).verdicts[SCAN]
+        verdict = examiner.examine(case, ONE_CONFIG, stages=True).verdicts[SCAN]
     staged = {t.name.removeprefix("stage."): t for t in verdict.tensors if t.kind == "stage"}
     assert set(staged) == set(impl.capabilities.stages), sorted(staged)
     assert_agrees(verdict, case)
