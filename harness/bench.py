@@ -106,6 +106,9 @@ def main(argv=None) -> int:
         extra = ["--seed", str(args.seed), *args.fuzz_args]
         cold_budget = 30.0 if args.warm_only else (args.cold_budget or args.budget)
         cold = campaign(impl, pass_, args.dtype, cold_budget, cache, out + "/cold", extra)
+        if not args.warm_only:          # said at once: a run cut during the warm campaign keeps the cold figures
+            print(json.dumps({"impl": impl, "pass": pass_, "dtype": args.dtype, "cold": cold}), file=sys.stderr,
+                  flush=True)
         warm = campaign(impl, pass_, args.dtype, args.budget, cache, out + "/warm", extra)
         row = {"impl": impl, "pass": pass_, "dtype": args.dtype, "device": warm.get("device"),
                "cold": None if args.warm_only else cold, "warm": warm}
