@@ -96,6 +96,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("fuzz_args", nargs="*", help="after --: more `ssdiff fuzz` arguments")
     args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget:g}")
+    if args.cold_budget is not None and args.cold_budget <= 0:
+        parser.error(f"--cold-budget must be a positive number of seconds, got {args.cold_budget:g} "
+                     f"(--warm-only skips the cold campaign)")
     targets = [_target(s) for s in args.impl] if args.impl else DEFAULT
     root = args.cache_root or tempfile.mkdtemp(prefix="ssdiff-bench-")
     rows = []

@@ -56,3 +56,11 @@ def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_
         case = Case.from_dict(data)
         assert case.ngroups > 1          # the planted bug reads another group's B
         assert replay(case, "harness.doubles:group_bug", device=device).diverged, case.describe()
+
+
+@pytest.mark.parametrize("flag", ["--budget", "--cold-budget"])
+def test_a_budget_that_is_not_positive_is_refused_by_name(flag, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--impl", "harness.doubles:healthy", flag, "0"])
+    assert stopped.value.code == 2
+    assert f"{flag} must be a positive number of seconds, got 0" in capsys.readouterr().err
