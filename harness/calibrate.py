@@ -14,7 +14,7 @@ known-defect matches (a side whose divergence a known defect explains is counted
 holds the same, each undeclared divergence's case and the ten largest required factors with their cases; it is
 rewritten every 100 cases, so a long run can be read while it goes on (with ``--rounds``, every implementation
 and dtype has figures after the first round).
-harness/README.md ("Why FACTOR = 4") publishes the figures.
+harness/README.md ("The calibration table") publishes the figures, harness/BENCHMARKS.md each run.
 
 The search is Hypothesis's: with an example budget its second half climbs toward larger ratios (the fuzz's
 target), so the tail figures are those of a search for the worst case, not of independent draws.
