@@ -92,6 +92,17 @@ DRAFTS = {
                   "`out0_recompute`, which is assigned only when `outproj_weight is not None` "
                   "(UnboundLocalError without out_proj); without rmsnorm, `out_for_linear` is the scan's "
                   "recomputed output alone (`rest[0]`, dim columns), so d(outproj_weight) has no SwiGLU columns."),
+    "mamba-ref-norm-one-channel": Draft(
+        title="mamba_split_conv1d_scan_ref: AssertionError in the gated RMSNorm when nheads * headdim == 1",
+        should="The reference runs for every shape the fused mamba_split_conv1d_scan_combined accepts, one channel "
+               "(nheads = headdim = 1) included, and returns the gated RMSNorm of its scan output.",
+        code_path="`mamba_ssm/ops/triton/layernorm_gated.py`, `LayerNormFn.forward`: `if x.stride(-1) != 1: x = "
+                  "x.contiguous()` is a no-op for a last dimension of size 1 (such a tensor is contiguous whatever "
+                  "its stride), and `_layer_norm_fwd` then fails `assert x.stride(-1) == 1`; "
+                  "`mamba_split_conv1d_scan_ref` hands it `rearrange(out, \"b s h p -> b s (h p)\")`, the scan "
+                  "output transposed from (batch, dim, seqlen): with dim 1 its last dimension keeps a stride other "
+                  "than 1 (seqlen; with one token in one batch row, the stride of dt's slice of zxbcdt that the "
+                  "extension's `torch::empty_like(delta)` output inherits)."),
     "mamba-softplus-backward-nan-above-20": Draft(
         title="mamba_split_conv1d_scan_combined backward: NaN gradients of dt, dt_bias and A once dt + dt_bias "
               "passes 20 (mamba-ssm 2.2.2)",

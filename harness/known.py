@@ -190,6 +190,18 @@ DEFECTS = (
         example=Case(entry="split_conv1d", batch=1, seqlen=16, nheads=4, ngroups=2, headdim=4, dstate=4,
                      chunk_size=8, rmsnorm=True, return_final_states=False, regime=Regime(decay="typical"))),
     KnownDefect(
+        id="mamba-ref-norm-one-channel",
+        # measured: every seqlen > 1 fails, and seqlen 1 in batch 1 (in batch 2 the norm input has stride 1)
+        implementations=("mamba_ssm.split_conv1d_ref",), package="mamba-ssm", affected=("2.0.0", None),
+        applies=lambda c: c.rmsnorm and c.nheads * c.headdim == 1 and (c.batch == 1 or c.seqlen > 1),
+        statement="mamba_split_conv1d_scan_ref raises AssertionError in the gated RMSNorm when nheads * headdim "
+                  "== 1: the scan output it normalizes reaches rmsnorm_fn with a last dimension of 1 and a stride "
+                  "other than 1, which LayerNormFn's x.contiguous() leaves as it is (a size-1 dimension is "
+                  "contiguous at any stride) and _layer_norm_fwd rejects",
+        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        example=Case(entry="split_conv1d", batch=1, seqlen=8, nheads=1, headdim=1, dstate=4, chunk_size=4,
+                     rmsnorm=True, return_final_states=False)),
+    KnownDefect(
         id="mamba-chunk-scan-unstable-ddA",
         implementations=("mamba_ssm.chunk_scan",), package="mamba-ssm", affected=("2.0.0", None),
         applies=lambda c: c.backward,

@@ -2,8 +2,10 @@
 
 On a machine without them (every CPU machine; a GPU machine where they were not built) harness.upstream puts
 these in their place, so that mamba_split_conv1d_scan_combined and mamba_split_conv1d_scan_ref can run. They
-follow the extensions' calling conventions (argument order, layouts, in-place outputs, return tuples) and
-their numerics (compute in float32, store in the input dtype), and are checked against float64 in
+follow the extensions' calling conventions (argument order, in-place outputs, return tuples), their output
+layouts (each output allocated as the extension allocates it, `torch::empty_like` of one input: the selective
+scan's out takes delta's strides, not a contiguous layout, which callers that rearrange it rely on) and their
+numerics (compute in float32, store in the input dtype), and are checked against float64 in
 properties/test_standins.py. Every result computed with one carries a note saying so (`NOTES`).
 
 causal_conv1d (x: (batch, dim, seqlen), weight: (dim, width), bias: (dim,), seq_idx: (batch, seqlen) int32):
@@ -32,6 +34,13 @@ NOTES = {
 
 class StandInError(NotImplementedError):
     """The caller asked for something the stand-in does not implement (the real extension would)."""
+
+
+def _like(template: torch.Tensor, values: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``values`` in a tensor allocated as the extensions allocate their outputs, ``torch::empty_like(template)``
+    (the template's strides where it is dense), in ``dtype`` (default the template's). Differentiable."""
+    out = torch.empty_like(template, dtype=dtype or template.dtype)
+    return out.copy_(values)
 
 
 # ---- causal_conv1d ---------------------------------------------------------------------------------------
@@ -64,7 +73,7 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, final_states_out
     """causal_conv1d_cuda.causal_conv1d_fwd / causal_conv1d.cpp_functions.causal_conv1d_fwd_function."""
     _no_conv_states(initial_states, final_states_out)
     with torch.no_grad():
-        return conv_float32(x, weight, bias, seq_idx, bool(silu_activation)).to(x.dtype)
+        return _like(x, conv_float32(x, weight, bias, seq_idx, bool(silu_activation)))
 
 
 def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, return_dinitial_states,
@@ -80,12 +89,9 @@ def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_sta
         out = conv_float32(xf, wf, bf, seq_idx, bool(silu_activation))
         leaves = [xf, wf] + ([bf] if bf is not None else [])
         grads = torch.autograd.grad(out, leaves, dout.float())
-    if dx is not None:
-        dx.copy_(grads[0])
-    else:
-        dx = grads[0].to(x.dtype)
-    dbias = grads[2].to(bias.dtype) if bias is not None else None
-    return dx, grads[1].to(weight.dtype), dbias, None
+    dx = dx.copy_(grads[0]) if dx is not None else _like(x, grads[0])
+    dbias = _like(bias, grads[2]) if bias is not None else None
+    return dx, _like(weight, grads[1]), dbias, None
 
 
 def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -96,7 +102,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     _no_conv_states(initial_states, final_states_out)
     if return_final_states:
         raise StandInError("the causal_conv1d stand-in does not return final conv states")
-    return conv_float32(x, weight, bias, seq_idx, activation in ("silu", "swish")).to(x.dtype)
+    return _like(x, conv_float32(x, weight, bias, seq_idx, activation in ("silu", "swish")))
 
 
 def causal_conv1d_update(*args, **kwargs):
@@ -150,9 +156,9 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
         out, out_z, last = scan_float32(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     x = last.new_zeros(*last.shape[:2], 1, 2 * last.shape[-1])
     x[..., 0, 1::2] = last
-    result = [out.to(u.dtype), x]
+    result = [_like(delta, out), x]
     if z is not None:
-        result.append(out_z.to(u.dtype))
+        result.append(_like(z, out_z))
     return result
 
 
@@ -167,17 +173,12 @@ def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, de
         root = res_z if z is not None else res
         order = [n for n in names if n in leaves]
         grads = dict(zip(order, torch.autograd.grad(root, [leaves[n] for n in order], dout.float())))
-    out_dtype = {"u": u.dtype, "delta": delta.dtype, "A": torch.float32, "B": B.dtype, "C": C.dtype,
-                 "D": torch.float32, "delta_bias": torch.float32, "z": z.dtype if z is not None else None}
-    cast = {n: grads[n].to(out_dtype[n]) for n in grads}
+    cast = {n: _like(given[n], grads[n]) for n in grads}          # each gradient in its input's dtype
     result = [cast["u"], cast["delta"], cast["A"], cast["B"], cast["C"], cast.get("D"), cast.get("delta_bias")]
     if z is not None:
-        if dz is not None:
-            dz.copy_(cast["z"])
-            cast["z"] = dz
-        result.append(cast["z"])
+        result.append(dz.copy_(grads["z"]) if dz is not None else cast["z"])
         if recompute_out_z:
-            result.append(res_z.detach().to(u.dtype))
+            result.append(_like(out if out is not None else z, res_z.detach()))
     return result
 
 

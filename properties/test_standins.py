@@ -259,3 +259,33 @@ def test_selective_scan_interface_runs_on_the_standin(device):
                                  True)
     assert relative(out, want_out) <= 8 * eps(torch.float32)
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def seq_major(t):
+    """A (batch, dim, seqlen) tensor laid out as (batch, seqlen, dim), the view mamba_ssm's callers hand over."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_the_standins_allocate_their_outputs_as_the_extensions_do(device):
+    """Each output takes the layout of the input the extension allocates it like (`torch::empty_like`): the
+    selective scan's out like delta, out_z like z, du, ddelta and dz like u, delta and z; the conv's out and dx like
+    x. What mamba_split_conv1d_scan_ref's gated RMSNorm reads is the scan's out rearranged, so its strides follow
+    from this (mamba-ref-norm-one-channel: with one channel in one token they are delta's)."""
+    p = dict(batch=2, dim=4, groups=2, dstate=3, length=5, D=True, z=True, bias=True, softplus=True, big_dt=False,
+             dtype="float32", seed=3)
+    t, dout = scan_inputs(p, device)
+    u, delta, z = seq_major(t["u"]), seq_major(t["delta"]), seq_major(t["z"])
+    out, _, out_z = standins.selective_scan_fwd(u, delta, t["A"], t["B"], t["C"], t["D"], z, t["delta_bias"], True)
+    assert out.stride() == delta.stride() != torch.empty(delta.shape).stride()
+    assert out_z.stride() == z.stride()
+    grads = standins.selective_scan_bwd(u, delta, t["A"], t["B"], t["C"], t["D"], z, t["delta_bias"], seq_major(dout),
+                                        None, out, None, True, True)
+    assert [g.stride() for g in (grads[0], grads[1], grads[7], grads[8])] == \
+        [u.stride(), delta.stride(), z.stride(), out.stride()]
+    conv = dict(batch=2, dim=4, length=5, width=3, seq_idx=None, bias=True, silu=True, dtype="float32", seed=4)
+    x, w, b, dout, _ = conv_inputs(conv, device)
+    x = seq_major(x)
+    assert standins.causal_conv1d_fwd(x, w, b, None, None, None, True).stride() == x.stride()
+    assert standins.causal_conv1d_fn(x, w, b, activation="silu").stride() == x.stride()
+    assert standins.causal_conv1d_bwd(x, w, b, seq_major(dout), None, None, None, None, False, True)[0].stride() \
+        == x.stride()
