@@ -238,6 +238,20 @@ DRAFTS = {
                   "multiplication's backward returns the gradient of `self.act(gate)` in that dtype.",
         call="fla.layers.mamba2.Mamba2.torch_forward",
         needs="torch, triton, einops, flash-linear-attention, fla-core and transformers"),
+    "fla-fused-recurrent-gate-gradient-cancellation": Draft(
+        title="fused_recurrent_simple_gla backward: the gate's gradient is rounding noise under strong decay "
+              "(grad g from q.dq - k.dk cancels)",
+        should="The gate's gradient keeps float32's relative accuracy when it is small against the other "
+               "gradients: computed without subtracting terms of the outputs' gradients' size (for example through "
+               "the decayed state products h_{t-1}.dh_t, or in the chunked kernels' stable form), so that strong "
+               "decay, dt > 20 or a single token do not turn the gradients of A and dt into noise.",
+        code_path="`fla/ops/common/fused_recurrent.py`, `fused_recurrent_bwd_kernel`: the gate's gradient "
+                  "accumulates `b_dg += tl.sum(b_q * b_dq - b_k * b_dk)` from the last token back (after "
+                  "`b_dg = tl.sum(b_h * b_dh)`), a difference of O(1) terms whose true value under strong decay "
+                  "is of order 1e-6 or below.",
+        call="fla.ops.simple_gla.fused_recurrent_simple_gla",
+        needs="torch, triton, einops, flash-linear-attention, fla-core and ssdiff (the side is reached through "
+              "ssdiff's registry: its SSD-to-simple_gla mapping)"),
     "transformers-mamba2-decode-ignores-dt-limit": Draft(
         title="Mamba2Mixer: cached decoding ignores time_step_limit (dt is not clamped on the single-token path)",
         should="Each decoded token's dt is clamped to time_step_limit exactly as the chunked path clamps it, so "

@@ -494,6 +494,27 @@ DEFECTS += (
                      seed=11)),
 )
 
+# fla's fused recurrent backward (read in 0.6.0, fla/ops/common/fused_recurrent.py): the gate's gradient is a running
+# sum over the tokens from the end of q.dq - k.dk, started at h.dh. The predicate is where that cancellation was
+# measured to dominate; at typical decay it is rarer and smaller (b=1 L=2 fp32 at 1.39x, grad A 5.4e-11 off).
+DEFECTS += (
+    KnownDefect(
+        id="fla-fused-recurrent-gate-gradient-cancellation",
+        implementations=("fla.fused_recurrent_simple_gla",), package="flash-linear-attention",
+        affected=("0.6.0", None),
+        applies=lambda c: c.backward and (c.regime.decay == "strong" or c.regime.dt_large
+                                          or (c.seqlen == 1 and not c.initial_states)),
+        statement="fused_recurrent_simple_gla's backward takes the gate's gradient from a running sum of "
+                  "q.dq - k.dk, a difference of terms the size of the outputs' gradients: where the true gradient "
+                  "is far smaller (strong decay, dt > 20, or zero: one token without an initial state) the "
+                  "gradients of the gate, so of A and dt, are float32 rounding noise of those terms (grad A "
+                  "-3.76e-3 for -1.40e-6 under strong decay)",
+        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        example=Case(seqlen=14, nheads=6, headdim=8, ngroups=6, dstate=6, chunk_size=4, D="head", has_z=True,
+                     has_dt_bias=False, dt_limit=(0.0, 1.0), initial_states=True, return_final_states=True, final_state_grad=True,
+                     regime=Regime(decay="strong", scale=4.0), pass_="backward", seed=152)),
+)
+
 # transformers' Mamba2Mixer decoding (read in 5.20.2 and 5.17.0; measured with 5.20.2): the single-token path
 # calls mamba2_selective_state_update with dt_softplus but no dt_limit, while the chunked path passes
 # dt_limit=self.time_step_limit.

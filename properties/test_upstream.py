@@ -18,8 +18,7 @@ Divergence has one definition: harness/verdict.py's `judge`, through harness.exa
 multiple of a same-precision baseline's error; padding outputs and elements beyond the dtype's range are not
 judged; dtypes are checked). No tolerance lives here. Cases a known defect of the installed release explains
 (harness.known.matching) are left out of the general properties: the registry test pins each one, and
-`ssdiff fuzz` reports them under their ids. Where the baseline cannot budget an evaluation order (fla's token recurrence), the exclusion is named and its
-reason given (recurrent_order_limit). Runs on the CPU under the Triton interpreter (tiny shapes) or
+`ssdiff fuzz` reports them under their ids. Runs on the CPU under the Triton interpreter (tiny shapes) or
 natively on a GPU (``--device cuda``; bf16 and fla.chunk_simple_gla there).
 """
 
@@ -132,19 +131,6 @@ def bounds_here() -> Bounds:
 PROGRAM_BUDGET = 16
 
 
-# Where the same-precision baseline cannot budget an implementation: it models the chunked evaluation order, and
-# a token recurrence has other cancellations (harness/README.md, "Known limit"). The gradient of A under strong
-# decay is a near-total cancellation (~1e-14 where the other gradients are O(1)) that fla's recurrent kernel
-# returns as float32 rounding noise of its summands. Not a defect, and not a budget this file may widen.
-# dt > 20 is strong decay per step: its gradient of A cancels the same way (69x its budget, for a true 4e-112) and
-# so does d(dt), which the recurrent form takes from d(log decay) = q.dq - k.dk, a difference of O(1) terms
-# (27x its budget in float32 for |d(dt)| ~ 1). A gradient of A that is structurally zero (one token, no initial
-# state: A never enters) comes back as rounding noise (1.7e-11 where the budget is 0).
-def recurrent_order_limit(name: str, case: Case) -> bool:
-    return name == "fla.fused_recurrent_simple_gla" and case.backward and (
-        case.regime.decay == "strong" or case.regime.dt_large or (case.seqlen == 1 and not case.initial_states))
-
-
 def narrowed(impl, case: Case, device: str, bounds: Bounds, where=None) -> Optional[Case]:
     """``case`` narrowed to what ``impl`` can run on ``device`` (what it cannot express switched off, then
     ``where``), or None where it still cannot run it or a known defect of the installed release explains it."""
@@ -156,8 +142,7 @@ def narrowed(impl, case: Case, device: str, bounds: Bounds, where=None) -> Optio
         case = fit_conv_channels(case, bounds)
     if runtime.interpreted() and "cuda" not in cap.devices and case.batch * case.nheads * case.nchunks > PROGRAM_BUDGET:
         return None
-    if impl.skip_reason(case, device) is not None or known_defect(impl.name, case) is not None \
-            or recurrent_order_limit(impl.name, case):
+    if impl.skip_reason(case, device) is not None or known_defect(impl.name, case) is not None:
         return None
     return case
 
@@ -327,8 +312,7 @@ def pinned_cases(impl, dtype: str, backward: bool, device: str) -> list:
         case = without(case, impl.capabilities.unsupported)
         if case.entry == "split_conv1d":
             case = fit_conv_channels(case, bounds_here())
-        if impl.skip_reason(case, device) is None and known_defect(impl.name, case) is None \
-                and not recurrent_order_limit(impl.name, case):
+        if impl.skip_reason(case, device) is None and known_defect(impl.name, case) is None:
             out.append(case)
     return out
 
