@@ -250,8 +250,7 @@ DRAFTS = {
                   "`b_dg = tl.sum(b_h * b_dh)`), a difference of O(1) terms whose true value under strong decay "
                   "is of order 1e-6 or below.",
         call="fla.ops.simple_gla.fused_recurrent_simple_gla",
-        needs="torch, triton, einops, flash-linear-attention, fla-core and ssdiff (the side is reached through "
-              "ssdiff's registry: its SSD-to-simple_gla mapping)"),
+        needs="torch, triton, einops, flash-linear-attention and fla-core"),
     "transformers-mamba2-decode-ignores-dt-limit": Draft(
         title="Mamba2Mixer: cached decoding ignores time_step_limit (dt is not clamped on the single-token path)",
         should="Each decoded token's dt is clamped to time_step_limit exactly as the chunked path clamps it, so "

@@ -7,9 +7,10 @@ causal_conv1d / selective_scan_cuda replacements: harness/standins.py inlined ve
 both sides and the oracle, the largest errors against the budgets ssdiff allowed, and exits 1 while the
 divergence exists, 0 once it is fixed.
 
-Implementations written out natively: mamba_ssm.* entry points, ssdiff.triton, and any ``module:function``
-with mamba_chunk_scan_combined's signature. Others (fla, test doubles) are reached through ssdiff's registry,
-and the script says so.
+Implementations written out natively: mamba_ssm.* entry points, ssdiff.triton, fla's simple_gla kernels on
+cases without seq_idx (SPEC.md section 5's map), the layers, and any ``module:function`` with
+mamba_chunk_scan_combined's signature. Others (vLLM's ops, fla's simple_gla on packed sequences, test doubles)
+are reached through ssdiff's registry, and the script says so.
 """
 
 from __future__ import annotations
@@ -36,6 +37,35 @@ from harness.inputs import Inputs, differentiable_names
 from harness.verdict import UNIT_ROUNDOFF, element_budget, judged_mask, storage_dtype
 
 TEMPLATE = Path(__file__).parent / "templates" / "repro.py.j2"
+
+# fla's simple_gla kernels: (module, function, whether the gate is passed as g=).
+FLA_FUNCTIONS = {
+    "fla.chunk_simple_gla": ("fla.ops.simple_gla", "chunk_simple_gla", True),
+    "fla.fused_recurrent_simple_gla": ("fla.ops.simple_gla", "fused_recurrent_simple_gla", True),
+    "fla.naive_recurrent_simple_gla": ("fla.ops.simple_gla.naive", "naive_recurrent_simple_gla", False),
+}
+FLA_SIDE = '''    """{spec}: {module}.{name} with SSD's map (SPEC.md section 5): q = C and k = B per head, v = x dt',
+    g = A dt', the initial state transposed to (n, p); D and the z gate applied to its output."""
+    import importlib
+    import torch.nn.functional as F
+    FN = getattr(importlib.import_module("{module}"), "{name}")
+    heads = CASE["nheads"] // CASE["ngroups"]
+    dt = t["dt"].float() + (t["dt_bias"].float() if "dt_bias" in t else 0.0)
+    dt = F.softplus(dt, threshold=20.0) if CASE["dt_softplus"] else dt
+    dt = dt.clamp(min=DT_LIMIT[0]) if DT_LIMIT[1] == math.inf else dt.clamp(min=DT_LIMIT[0], max=DT_LIMIT[1])
+    q, k = t["C"].repeat_interleave(heads, dim=2), t["B"].repeat_interleave(heads, dim=2)
+    v = (t["x"].float() * dt[..., None]).to(t["x"].dtype)
+    h0 = t["initial_states"].float().transpose(-1, -2) if "initial_states" in t else None
+    o, final = FN(q, k, v, {gate}dt * t["A"].float(), scale=1.0, initial_state=h0, output_final_state=True)
+    y = o.float()
+    if "D" in t:
+        y = y + (t["D"].float()[:, None] if t["D"].dim() == 1 else t["D"].float()) * t["x"].float()
+    if "z" in t:
+        y = y * F.silu(t["z"].float())
+    out = {{"y": y.to(t["x"].dtype)}}
+    if CASE["return_final_states"]:
+        out["final_states"] = final.float().transpose(-1, -2)
+    return out'''
 
 MAMBA_FUNCTIONS = {
     "mamba_ssm.chunk_scan_combined": ("mamba_chunk_scan_combined", "combined"),
@@ -367,6 +397,10 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
                 f"    out = {call}\n{RESULT}", ("mamba-ssm", "einops"))
     if spec == STEP:
         return (f'def {fn}(t, seq):\n{STEP_SIDE}', ("mamba-ssm", "einops"))
+    if spec in FLA_FUNCTIONS and case.entry == "chunk_scan" and case.segments is None:
+        module, name, keyword = FLA_FUNCTIONS[spec]
+        side = FLA_SIDE.format(spec=spec, module=module, name=name, gate="g=" if keyword else "")
+        return f"def {fn}(t, seq):\n{side}", ("flash-linear-attention", "fla-core", "einops")
     if spec == "ssdiff.triton" or (":" in spec and case.entry == "chunk_scan" and _is_plain_callable(spec)):
         if spec == "ssdiff.triton":
             module, attr = (("kernels.ssd.combined", "ssd_chunk_scan_combined") if case.entry == "chunk_scan"

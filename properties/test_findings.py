@@ -21,8 +21,7 @@ FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
 # Implementations harness/repro.py writes through ssdiff's registry (no standalone writer for them yet): their
 # repro.py needs ssdiff installed.
-THROUGH_THE_REGISTRY = ("vllm.", "fla.chunk_simple_gla", "fla.fused_recurrent_simple_gla",
-                        "fla.naive_recurrent_simple_gla")
+THROUGH_THE_REGISTRY = ("vllm.",)
 
 
 def _releases() -> list:

@@ -177,3 +177,23 @@ def test_repro_exits_1_where_a_watched_element_is_out_of_its_budget(device, tmp_
     failed = repro.run(path)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert f"y: element {index} (flat)" in failed.stdout and "1 of the 1 watched elements" in failed.stdout
+
+
+@pytest.mark.parametrize("side", ["fla.fused_recurrent_simple_gla", "fla.naive_recurrent_simple_gla"])
+def test_repro_writes_flas_simple_gla_out_with_the_adapters_map(side, device, tmp_path):
+    """repro.py calls fla's simple_gla kernel itself (SPEC.md section 5's map written out, no ssdiff import): on a
+    case with every feature the map carries, the side it writes is within every budget ssdiff judged the adapter
+    by, so the two compute the same thing."""
+    impl = usable(side, "float32", True, device)
+    case = Case(entry="chunk_scan", batch=2, seqlen=7, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
+                D="channel", has_z=True, dt_limit=(0.01, 2.0), initial_states=True, return_final_states=True,
+                final_state_grad=True, pass_="backward", regime=Regime(decay="mild"), seed=4)
+    with Examiner([impl.name], device) as examiner:
+        outcome = examiner.examine(case, 0)
+    assert outcome.verdicts[impl.name].ok, outcome.verdicts[impl.name].message()
+    path = repro.write(tmp_path / "repro.py", case, [impl.name], outcome.inputs, outcome.truth, outcome.baseline,
+                       4.0, "a healthy case", 0)
+    text = path.read_text()
+    assert not re.search(r"^\s*(from|import) harness", text, re.M) and "fla.ops.simple_gla" in text
+    ran = repro.run(path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr

@@ -8,7 +8,7 @@
       Greatest error 5.53e-10 at index (0,) (head 0, group 0): actual -5.52659e-10, expected 0; budget there 0 (ratio 2.48e+298x).
       Relative RMS error 5.53e-10 (same-precision baseline 0); max abs error 5.53e-10.
 
-Run it with nothing but torch, triton, ssdiff, numpy (the Triton interpreter imports it) installed:
+Run it with nothing but torch, triton, flash-linear-attention, fla-core, einops, numpy (the Triton interpreter imports it) installed:
 
     python repro.py          exit status 1 while the divergence exists, 0 once it is fixed
 
@@ -414,16 +414,27 @@ force_autotune_config(CONFIG_INDEX)
 
 # ---- the implementation(s) under test ---------------------------------------------------------------------
 def side_0(t, seq):
-    """fla.fused_recurrent_simple_gla: reached through ssdiff's registry (this side needs ssdiff installed)."""
-    from harness import runtime
-    runtime.configure()
-    from harness.case import Case
-    from harness.isolate import resolve
-    from harness.inputs import materialize
-    case = Case.from_dict(CASE)
-    res = resolve("fla.fused_recurrent_simple_gla").run(case, materialize(case, DEVICE))
-    out = dict(res.outputs)
-    out.update({f"grad.{k}": v for k, v in res.grads.items()})
+    """fla.fused_recurrent_simple_gla: fla.ops.simple_gla.fused_recurrent_simple_gla with SSD's map (SPEC.md section 5): q = C and k = B per head, v = x dt',
+    g = A dt', the initial state transposed to (n, p); D and the z gate applied to its output."""
+    import importlib
+    import torch.nn.functional as F
+    FN = getattr(importlib.import_module("fla.ops.simple_gla"), "fused_recurrent_simple_gla")
+    heads = CASE["nheads"] // CASE["ngroups"]
+    dt = t["dt"].float() + (t["dt_bias"].float() if "dt_bias" in t else 0.0)
+    dt = F.softplus(dt, threshold=20.0) if CASE["dt_softplus"] else dt
+    dt = dt.clamp(min=DT_LIMIT[0]) if DT_LIMIT[1] == math.inf else dt.clamp(min=DT_LIMIT[0], max=DT_LIMIT[1])
+    q, k = t["C"].repeat_interleave(heads, dim=2), t["B"].repeat_interleave(heads, dim=2)
+    v = (t["x"].float() * dt[..., None]).to(t["x"].dtype)
+    h0 = t["initial_states"].float().transpose(-1, -2) if "initial_states" in t else None
+    o, final = FN(q, k, v, g=dt * t["A"].float(), scale=1.0, initial_state=h0, output_final_state=True)
+    y = o.float()
+    if "D" in t:
+        y = y + (t["D"].float()[:, None] if t["D"].dim() == 1 else t["D"].float()) * t["x"].float()
+    if "z" in t:
+        y = y * F.silu(t["z"].float())
+    out = {"y": y.to(t["x"].dtype)}
+    if CASE["return_final_states"]:
+        out["final_states"] = final.float().transpose(-1, -2)
     return out
 
 SIDES = {'fla.fused_recurrent_simple_gla': side_0}
