@@ -44,7 +44,7 @@ FLA_FUNCTIONS = {
     "fla.fused_recurrent_simple_gla": ("fla.ops.simple_gla", "fused_recurrent_simple_gla", True),
     "fla.naive_recurrent_simple_gla": ("fla.ops.simple_gla.naive", "naive_recurrent_simple_gla", False),
 }
-FLA_SIDE = '''    """{spec}: {module}.{name} with SSD's map (SPEC.md section 5): q = C and k = B per head, v = x dt',
+FLA_SIDE = '''    """{spec}: {module}.{name} with SSD mapped onto simple_gla: q = C and k = B per head, v = x dt',
     g = A dt', the initial state transposed to (n, p); D and the z gate applied to its output."""
     import importlib
     import torch.nn.functional as F

@@ -414,7 +414,7 @@ force_autotune_config(CONFIG_INDEX)
 
 # ---- the implementation(s) under test ---------------------------------------------------------------------
 def side_0(t, seq):
-    """fla.fused_recurrent_simple_gla: fla.ops.simple_gla.fused_recurrent_simple_gla with SSD's map (SPEC.md section 5): q = C and k = B per head, v = x dt',
+    """fla.fused_recurrent_simple_gla: fla.ops.simple_gla.fused_recurrent_simple_gla with SSD mapped onto simple_gla: q = C and k = B per head, v = x dt',
     g = A dt', the initial state transposed to (n, p); D and the z gate applied to its output."""
     import importlib
     import torch.nn.functional as F
