@@ -242,9 +242,9 @@ DRAFTS = {
         title="fused_recurrent_simple_gla backward: the gate's gradient is rounding noise under strong decay "
               "(grad g from q.dq - k.dk cancels)",
         should="The gate's gradient keeps float32's relative accuracy when it is small against the other "
-               "gradients: computed without subtracting terms of the outputs' gradients' size (for example through "
-               "the decayed state products h_{t-1}.dh_t, or in the chunked kernels' stable form), so that strong "
-               "decay, dt > 20 or a single token do not turn the gradients of A and dt into noise.",
+               "gradients: computed without subtracting terms of the outputs' gradients' size (for example as "
+               "exp(g_t) h_{t-1}.dh_t, the state update's own derivative), so that strong decay, dt > 20 or a "
+               "single token do not turn the gradients of A and dt into noise.",
         code_path="`fla/ops/common/fused_recurrent.py`, `fused_recurrent_bwd_kernel`: the gate's gradient "
                   "accumulates `b_dg += tl.sum(b_q * b_dq - b_k * b_dk)` from the last token back (after "
                   "`b_dg = tl.sum(b_h * b_dh)`), a difference of O(1) terms whose true value under strong decay "

@@ -511,8 +511,8 @@ DEFECTS += (
                   "-3.76e-3 for -1.40e-6 under strong decay)",
         status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
         example=Case(seqlen=14, nheads=6, headdim=8, ngroups=6, dstate=6, chunk_size=4, D="head", has_z=True,
-                     has_dt_bias=False, dt_limit=(0.0, 1.0), initial_states=True, return_final_states=True, final_state_grad=True,
-                     regime=Regime(decay="strong", scale=4.0), pass_="backward", seed=152)),
+                     has_dt_bias=False, dt_limit=(0.0, 1.0), initial_states=True, return_final_states=True,
+                     final_state_grad=True, regime=Regime(decay="strong", scale=4.0), pass_="backward", seed=152)),
 )
 
 # transformers' Mamba2Mixer decoding (read in 5.20.2 and 5.17.0; measured with 5.20.2): the single-token path
