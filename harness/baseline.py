@@ -34,6 +34,11 @@ kernel in float32, one token at a time, with that kernel's rounding points — t
 back in its dtype every step, dt processing (`_dt`), ``exp(A * dt)``, ``B * dt``, the update
 ``state * dA + dB * x``, the y reduction ``sum(state * C)`` over dstate, the D skip's ``x * D``, the z gate.
 
+An implementation that evaluates token by token (its ``evaluation_order`` "recurrent", fla's fused and naive
+recurrent simple_gla) is budgeted by this model at chunk size 1 as well (harness/examine.py adds those samples):
+each state is then carried through every token, so its rounding grows with the tokens it holds, as a token
+recurrence's does, where the chunked order's grows with the chunks.
+
 `evaluate(case, inputs)` returns an `harness.evaluation.Evaluation` (float64 tensors, the oracle's layouts and
 stage names), so every output, gradient and stage has a baseline to be judged against. `evaluate_samples` gets
 every sample the verdict needs from one evaluation (`evaluate_folded`: the samples folded into the batch rows).

@@ -62,7 +62,7 @@ class Row:
         case = outcome.case
         for side, verdict in outcome.verdicts.items():
             defect = known.matching(side, case) if not verdict.ok else None
-            if defect is not None:
+            if defect is not None and known.explains(defect, side, outcome, self.factor):
                 self.known[defect.id] = self.known.get(defect.id, 0) + 1
                 continue
             for group, tensor, required in required_factors(verdict, self.factor):

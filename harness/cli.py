@@ -359,7 +359,8 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--no-minimize", action="store_true", help="do not minimize divergences (minimized.json, repro.py)")
     p.add_argument("--known", choices=("report", "skip", "ignore"), default="report",
                    help="known upstream defects (`ssdiff known`): report (judge and label them; default), skip "
-                        "(leave their cases out), ignore (do not consult the registry: they count as new)")
+                        "(leave their cases out, but those of a record that bounds its error), ignore (do not "
+                        "consult the registry: they count as new)")
     p.add_argument("--oracle", choices=ORACLES, default=None, help="the float64 truth (default ref.chunked)")
     for name in ("batch", "seqlen", "nheads", "headdim", "dstate"):
         p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",

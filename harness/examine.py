@@ -145,6 +145,7 @@ class Examiner:
             if why:
                 raise UsageError(f"{spec} cannot run here: {why}")
         self.runner = IsolatedRunner(device, timeout) if isolate else InProcessRunner(device)
+        self.recurrent = any(impl.evaluation_order == "recurrent" for impl in self.impls.values())
         self.oracle_evaluations = 0
         self.baseline_evaluations = 0
         self._evidence: OrderedDict = OrderedDict()
@@ -191,6 +192,11 @@ class Examiner:
         after_oracle = self._synchronized()
         self.baseline_evaluations += 1
         samples = baseline.evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
+        if self.recurrent and judged.entry != "decode" and judged.chunk_size > 1:
+            # a side evaluates token by token: the model at chunk size 1 too (its stages have other layouts)
+            token = baseline.evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
+                                              at_neighbours=(near, at_near))
+            samples += [Evaluation(e.outputs, e.grads) for e in token]
         self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
                             baseline=self._synchronized() - after_oracle)
         found = Evidence(inputs, truth, samples)

@@ -240,11 +240,12 @@ def _json_float(x):
 
 def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.Tensor, case: Case,
                  inputs: Inputs, factor: float = FACTOR, reference: Optional[torch.Tensor] = None,
-                 top: int = 0) -> TensorVerdict:
+                 top: int = 0, allowance: Optional[torch.Tensor] = None) -> TensorVerdict:
     """Judge one tensor. ``actual`` may be None (missing), any dtype/device; truth and base are float64.
     ``reference``: measure the error against it instead of ``truth`` (the budget still comes from truth and
     base) — used to compare two implementations. ``top``: also list the elements of the ``top`` largest ratios
-    (`TensorVerdict.elements`)."""
+    (`TensorVerdict.elements`). ``allowance``: an error per element that a known defect accounts for
+    (harness/known.py, `explains`), added to the budget ``factor`` times."""
     short = name.split(".", 1)[-1]
     axes = axes_of(kind, short, case)
     if actual is None:
@@ -308,6 +309,8 @@ def judge_tensor(name: str, kind: str, actual, truth: torch.Tensor, base: torch.
     err = torch.where(judged, (a - ref).abs(), zero)
     budget, noise, ids, berr, tabs = element_budget(t, b, judged, axes, case,
                                                     UNIT_ROUNDOFF[storage_dtype(kind, short, case, inputs)], factor)
+    if allowance is not None:
+        budget = budget + factor * allowance.to(device=device, dtype=torch.float64)
     ratio = torch.where(judged & (err > 0), err / budget.clamp(min=torch.finfo(torch.float64).tiny), zero)
 
     tv = TensorVerdict(name, kind, "ok", judged=n_judged, excluded=excluded, out_of_range=out_of_range, axes=axes)
@@ -490,7 +493,8 @@ def judge(impl: str, case: Case, inputs: Inputs, outputs, truth, base, stages: b
         for name, value in truth.stages.items():
             if name in outputs.stages and name in bases[0].stages:
                 tensors.append(judge_tensor(f"stage.{name}", "stage", outputs.stages[name], value,
-                                            [e.stages[name] for e in bases], case, inputs, factor, top=top))
+                                            [e.stages[name] for e in bases if name in e.stages], case, inputs,
+                                            factor, top=top))
     judged = [t for t in tensors if t.kind != "stage"]
     status = max((t.status for t in judged), key=severity, default="ok")
     finite = [t.ratio for t in judged if math.isfinite(t.ratio)]
@@ -500,6 +504,16 @@ def judge(impl: str, case: Case, inputs: Inputs, outputs, truth, base, stages: b
     for listener in JUDGE_LISTENERS:
         listener(case, verdict)
     return verdict
+
+
+def judge_named(name: str, case: Case, inputs: Inputs, outputs, truth, base, factor: float = FACTOR,
+                allowance: Optional[torch.Tensor] = None) -> TensorVerdict:
+    """`judge`'s verdict on the one output or gradient ``name`` ("y", "grad.A", ...), with an ``allowance``."""
+    bases = list(base) if isinstance(base, (list, tuple)) else [base]
+    kind, short = ("grad", name[len("grad."):]) if name.startswith("grad.") else ("output", name)
+    field = "grads" if kind == "grad" else "outputs"
+    return judge_tensor(name, kind, getattr(outputs, field).get(short), getattr(truth, field)[short],
+                        [getattr(e, field)[short] for e in bases], case, inputs, factor, allowance=allowance)
 
 
 def disagreement(case: Case, inputs: Inputs, a, b, truth, base, factor: float = FACTOR) -> dict:

@@ -41,6 +41,10 @@ class Implementation:
     name: str = ""
     description: str = ""
     capabilities: Capabilities = Capabilities()
+    # The order its scan evaluates in: "chunked" (the baseline's model, harness/baseline.py) or "recurrent"
+    # (token by token: the evidence adds the model at chunk size 1, whose rounding grows with the tokens a state
+    # carries, as a token recurrence's does; harness/examine.py).
+    evaluation_order: str = "chunked"
 
     def unavailable(self) -> Optional[str]:
         """Why this implementation cannot run in this environment (missing package...), or None."""

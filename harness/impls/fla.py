@@ -207,6 +207,7 @@ class ChunkSimpleGla(FlaImplementation):
 class FusedRecurrentSimpleGla(FlaImplementation):
     name = "fla.fused_recurrent_simple_gla"
     description = "fla fused_recurrent_simple_gla (Triton, token by token; CPU interpreter and GPU)"
+    evaluation_order = "recurrent"
 
     def call(self, q, k, v, g, initial_state, cu_seqlens):
         fn = upstream.fla().simple_gla.fused_recurrent_simple_gla
@@ -218,6 +219,7 @@ class NaiveRecurrentSimpleGla(FlaImplementation):
     name = "fla.naive_recurrent_simple_gla"
     description = "fla naive_recurrent_simple_gla (pure torch, fp32 inside; no cu_seqlens)"
     pure_torch = True
+    evaluation_order = "recurrent"
     has_cu_seqlens = False
 
     def call(self, q, k, v, g, initial_state, cu_seqlens):
