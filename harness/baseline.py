@@ -745,6 +745,22 @@ PARAMETERS = frozenset({"A", "A_log", "D", "dt_bias", "conv1d_weight", "conv1d_b
                         "outproj_bias", "in_proj_weight", "in_proj_bias"})
 
 
+# The model at chunk size 1 (a token-recurrent side's budget, harness/examine.py) keeps every token's state,
+# (b, L, h, p, n) in float32, for each of its folded samples, forward and backward (about three copies). Past this,
+# a case is not judged for such a side rather than judged by the chunked order's budget alone: a production shape
+# (L=16K, h=128, p=64, n=128) would need about 1 TiB.
+TOKEN_MODEL_BYTES = 8 << 30
+
+
+def token_model_too_large(case: Case) -> Optional[str]:
+    """Why the model at chunk size 1 cannot budget ``case`` (TOKEN_MODEL_BYTES), or None."""
+    need = case.batch * case.seqlen * case.nheads * case.headdim * case.dstate * 4 * (SAMPLES + NEIGHBOURS) * 3
+    if need <= TOKEN_MODEL_BYTES:
+        return None
+    return (f"the baseline of a token-by-token evaluation (the model at chunk size 1) would hold more than "
+            f"{TOKEN_MODEL_BYTES >> 30} GiB of states")
+
+
 def evaluate(case: Case, inputs: Inputs, device: Optional[str] = None, sample: int = 0) -> Evaluation:
     """The model kernel on ``case``: outputs, stages and (backward cases) gradients, as float64 tensors.
     ``device`` decides the dot precision (TF32 on a CUDA GPU for fp32); default: the inputs' device.

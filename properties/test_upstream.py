@@ -557,6 +557,9 @@ def test_a_token_recurrence_is_budgeted_by_its_own_order(device):
     assert get(name).evaluation_order == "recurrent"
     with Examiner([name], device) as examiner:
         agrees_with_oracle(examiner, LONG_MEMORY_CASE)
+    # a shape whose every token's state that model cannot hold is outside the side's reach, with the reason
+    production = LONG_MEMORY_CASE.replace(seqlen=16384, nheads=128, ngroups=8, headdim=64, dstate=128, chunk_size=256)
+    assert "model at chunk size 1" in (get(name).skip_reason(production, device) or "")
 
 
 # A typical-decay case whose gradient of A fla's fused recurrent kernel returned 3.4x out of budget on the CPU.

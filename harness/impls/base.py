@@ -83,6 +83,11 @@ class Implementation:
             why = limit(case)
             if why:
                 return why
+        if self.evaluation_order == "recurrent" and case.entry != "decode":
+            from harness.baseline import token_model_too_large
+
+            why = token_model_too_large(case)
+            return f"{self.name}: {why}" if why else None
         return None
 
     def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
