@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.case import Case
-from harness.known import BY_ID, DEFECTS, KnownDefect, installed_version
+from harness.known import BY_ID, DEFECTS, KnownDefect, explains, installed_version
 
 REPO = Path(__file__).resolve().parents[1]
 FINDINGS_DIR = REPO / "reports" / "findings"
@@ -358,6 +358,7 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
         try:
             result = minimize(defect.example, defect.implementations[0], device=device, out_dir=scratch,
                               max_runs=max_runs, accept=lambda case: only_this_defect(defect, case),
+                              holds=lambda outcome: all(explains(defect, side, outcome) for side in outcome.failing),
                               choice=defect.example_choice)
         except NotDiverging as why:
             record.update(reproduces=False, why=_local_paths(str(why)))

@@ -54,9 +54,11 @@ def _raised(verdict) -> str:
 
 
 def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optional[str], kept: list,
-                       accept: Optional[Callable[[Case], bool]] = None) -> Callable:
+                       accept: Optional[Callable[[Case], bool]] = None,
+                       holds: Optional[Callable[[Outcome], bool]] = None) -> Callable:
     """``candidate -> bool``: the original's divergence persists on ``candidate`` (the module docstring). The
-    outcome of each candidate kept is appended to ``kept``. ``accept``: candidates it rejects are not tried."""
+    outcome of each candidate kept is appended to ``kept``. ``accept``: candidates it rejects are not tried;
+    ``holds``: a candidate's outcome it rejects is not kept."""
     failing = list(original.failing)
     choice = original.choice
 
@@ -69,7 +71,7 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
             again = examiner.examine(candidate, choice, sides=failing)
         except (CaseError, RuntimeError, ValueError):
             return False
-        if not same_divergence(original, again, MIN_RATIO):
+        if not same_divergence(original, again, MIN_RATIO) or (holds is not None and not holds(again)):
             return False
         # A run that raised must raise the same exception type: two defects that raise (selective_state_update
         # with D None, with dt_bias None) are not one, and shrinking must not trade one for the other.
@@ -85,10 +87,12 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
 
 def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Optional[Callable[[Step], None]] = None,
                      max_runs: int = 300, write_repro: bool = True,
-                     accept: Optional[Callable[[Case], bool]] = None) -> Minimized:
+                     accept: Optional[Callable[[Case], bool]] = None,
+                     holds: Optional[Callable[[Outcome], bool]] = None) -> Minimized:
     """Shrink the diverging ``original`` (examined by ``examiner``) and write minimized.json,
     minimized-verdict.json and repro.py into ``out_dir``. Raises NotDiverging when it does not diverge.
-    ``accept``: a condition every smaller case must keep (a known defect's predicate, say)."""
+    ``accept``: a condition every smaller case must keep (a known defect's predicate, say); ``holds``: one every
+    smaller case's outcome must keep (that the defect explains its divergence, say)."""
     if not original.diverged:
         raise NotDiverging(f"{original.case.describe()}: no divergence — "
                            + "; ".join(v.message() for v in original.verdicts.values()))
@@ -102,8 +106,8 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     side = next(iter(failing))
     first = None if failing[side].status in RUN_FAILURES else examiner.first_stage(original.case, side, choice)
     kept = [original]
-    shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept, accept), on_step=on_step,
-                    max_runs=max_runs)
+    shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept, accept, holds),
+                    on_step=on_step, max_runs=max_runs)
     examiner.keep(kept[-1])                          # the minimal case: examined again with its evidence
     final = examiner.examine(shrunk.minimal, choice, stages=True)
     out = Path(out_dir)
@@ -129,7 +133,8 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
              out_dir=None, choice="tuned", on_step: Optional[Callable[[Step], None]] = None,
              max_runs: int = 300, isolate: bool = False, write_repro: bool = True,
              oracle_name: str = DEFAULT_ORACLE, factor: float = FACTOR,
-             accept: Optional[Callable[[Case], bool]] = None) -> Minimized:
+             accept: Optional[Callable[[Case], bool]] = None,
+             holds: Optional[Callable[[Outcome], bool]] = None) -> Minimized:
     """Shrink ``case`` while impl (vs against, or vs the oracle) keeps the same divergence; write the results
     into ``out_dir`` (default ssdiff-out/minimize-<time>). Raises NotDiverging when the case does not diverge."""
     runtime.configure()
@@ -143,7 +148,7 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = out_dir or os.path.join("ssdiff-out", f"minimize-{stamp}")
         return minimize_outcome(examiner, examiner.examine(fitted, choice), out, on_step=on_step,
-                                max_runs=max_runs, write_repro=write_repro, accept=accept)
+                                max_runs=max_runs, write_repro=write_repro, accept=accept, holds=holds)
 
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",

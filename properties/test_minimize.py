@@ -197,3 +197,13 @@ def test_repro_writes_flas_simple_gla_out_with_the_adapters_map(side, device, tm
     assert not re.search(r"^\s*(from|import) harness", text, re.M) and "fla.ops.simple_gla" in text
     ran = repro.run(path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
+
+
+def test_every_smaller_case_keeps_what_holds_of_its_outcome(device, tmp_path):
+    """``holds`` (what the findings catalogue asks: that the record explains the divergence) is kept by every case
+    the minimizer keeps: with it refusing outcomes of fewer heads than the start, the minimum keeps them all."""
+    spec, start = PLANTED[-1]
+    heads = start.nheads
+    result = minimize(start, spec, device=device, out_dir=tmp_path, write_repro=False,
+                      holds=lambda outcome: outcome.case.nheads == heads)
+    assert result.minimal.nheads == heads and result.minimal != start
