@@ -35,9 +35,9 @@ back in its dtype every step, dt processing (`_dt`), ``exp(A * dt)``, ``B * dt``
 ``state * dA + dB * x``, the y reduction ``sum(state * C)`` over dstate, the D skip's ``x * D``, the z gate.
 
 An implementation that evaluates token by token (its ``evaluation_order`` "recurrent", fla's fused and naive
-recurrent simple_gla) is budgeted by this model at chunk size 1 as well (harness/examine.py adds those samples):
-each state is then carried through every token, so its rounding grows with the tokens it holds, as a token
-recurrence's does, where the chunked order's grows with the chunks.
+recurrent simple_gla) is budgeted by this model in the token order as well (harness/examine.py adds those
+samples; `scan`'s ``order``): chunk size 1, the state rounded once the token's own ``B x dt`` is added, y read
+from it. Its rounding then grows with the tokens a state holds, where the chunked order's grows with the chunks.
 
 `evaluate(case, inputs)` returns an `harness.evaluation.Evaluation` (float64 tensors, the oracle's layouts and
 stage names), so every output, gradient and stage has a baseline to be judged against. `evaluate_samples` gets
@@ -430,11 +430,13 @@ def _linear(x, weight, bias, folds: int, read: Optional[torch.Tensor] = None):
 
 
 def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=None, dt_bias=None, dt_softplus=False,
-         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, want_varlen=False, folds: int = 0):
+         dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, want_varlen=False, folds: int = 0,
+         order: str = "chunked"):
     """The model kernel's scan on float32 tensors, rounding as ``rounding`` says.
     Returns (y, final_states, varlen_states, stages) in float32. ``folds``: 0, or the evaluations folded into
     the batch rows (`evaluate_folded`: A, D, dt_bias then carry a leading axis of folds; varlen_states is
-    (folds, nseq, h, p, n))."""
+    (folds, nseq, h, p, n)). ``order`` "recurrent" (chunk_size 1): each token's y is C times the state after
+    it, ``h_t = keep(exp(dA_t) h_t-1 + B_t x_t dt_t)``, as a token recurrence reads it."""
     dot, operand, keep = rounding.dot, rounding.operand, rounding.keep
     b, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -508,6 +510,12 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     reaches = (seq_c == prev_last[:, :, None]) & real_c
     from_start = rounding.decay(cs_g) * reaches[..., None, None]             # (b, c, Q, g, r)
     y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
+    if order == "recurrent":
+        if Q != 1:
+            raise ValueError(f"the recurrent order is the model at chunk size 1, not {Q}")
+        after = torch.cat([passed[:, 1:], state[:, None]], dim=1)            # the state after each token
+        y_diag = 0.0
+        y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(after)))
     y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
 
     inside = (torch.arange(c * Q, device=dev) < L).reshape(c, Q)
@@ -745,7 +753,7 @@ PARAMETERS = frozenset({"A", "A_log", "D", "dt_bias", "conv1d_weight", "conv1d_b
                         "outproj_bias", "in_proj_weight", "in_proj_bias"})
 
 
-# The model at chunk size 1 (a token-recurrent side's budget, harness/examine.py) keeps every token's state,
+# The model in the token order (a token-recurrent side's budget, harness/examine.py) keeps every token's state,
 # (b, L, h, p, n) in float32, for each of its folded samples, forward and backward (about three copies). Past this,
 # a case is not judged for such a side rather than judged by the chunked order's budget alone: a production shape
 # (L=16K, h=128, p=64, n=128) would need about 1 TiB.
@@ -753,11 +761,11 @@ TOKEN_MODEL_BYTES = 8 << 30
 
 
 def token_model_too_large(case: Case) -> Optional[str]:
-    """Why the model at chunk size 1 cannot budget ``case`` (TOKEN_MODEL_BYTES), or None."""
+    """Why the model in the token order cannot budget ``case`` (TOKEN_MODEL_BYTES), or None."""
     need = case.batch * case.seqlen * case.nheads * case.headdim * case.dstate * 4 * (SAMPLES + NEIGHBOURS) * 3
     if need <= TOKEN_MODEL_BYTES:
         return None
-    return (f"the baseline of a token-by-token evaluation (the model at chunk size 1) would hold more than "
+    return (f"the baseline of a token-by-token evaluation (the model in the token order) would hold more than "
             f"{TOKEN_MODEL_BYTES >> 30} GiB of states")
 
 
@@ -779,8 +787,10 @@ def _fold(inputs: list) -> Inputs:
                                seq_idx=repeat(first.seq_idx))
 
 
-def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[str] = None) -> list:
-    """`evaluate` of sample ``samples[i]`` at ``inputs[i]`` for every i, in one evaluation: the inputs folded into
+def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[str] = None,
+                    order: str = "chunked") -> list:
+    """`evaluate` of sample ``samples[i]`` at ``inputs[i]`` for every i, in one evaluation (``order``: `scan`'s, for
+    the chunk_scan entry): the inputs folded into
     the batch rows (`_fold`; a case's rows are independent, its parameters carried per fold), every rounding point
     drawing each fold's signs from that sample's own generator (`FoldedSigns`). One evaluation of a few small
     tensors launches as many kernels as one of a large tensor, and on a GPU the launches are what an evaluation
@@ -813,7 +823,7 @@ def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[s
                 rounding=rounding, D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
                 dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                 initial_states=leaves.get("initial_states"), seq_idx=folded.seq_idx, want_varlen=case.varlen_states,
-                folds=n)
+                folds=n, order=order)
         else:
             model = _layer if case.entry == "layer" else _mixer
             y, final, stages = model(leaves, case, folded.seq_idx, rounding, n)
@@ -899,13 +909,13 @@ def neighbours_of(inputs: Inputs, count: int = NEIGHBOURS) -> list:
 
 def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Optional[OracleAt] = None,
                      device: Optional[str] = None, samples: int = SAMPLES, neighbours: int = NEIGHBOURS,
-                     at_neighbours: Optional[tuple] = None) -> list:
+                     at_neighbours: Optional[tuple] = None, order: str = "chunked") -> list:
     """``samples`` evaluations (round-to-nearest first, then perturbed ones), then ``neighbours`` samples at
     neighbouring inputs (see NEIGHBOURS). ``truth`` is the oracle at ``inputs``. ``at_neighbours``: (the
     neighbour inputs, `neighbours_of`; the oracle at each) where the caller has them, else ``oracle(case,
     inputs)`` evaluates them (side by side where the entry allows: harness/widen.py). The verdict's noise level
     at an element is the largest error among the samples. The model's evaluations are one folded evaluation
-    (`evaluate_folded`)."""
+    (`evaluate_folded`, in ``order``)."""
     if at_neighbours is not None:
         near, exact = at_neighbours
     else:
@@ -913,5 +923,6 @@ def evaluate_samples(case: Case, inputs: Inputs, truth: Evaluation, oracle: Opti
         if near and oracle is None:
             raise ValueError("evaluate_samples: neighbour samples need the oracle (pass oracle=...)")
         exact = widen.evaluate(oracle, case, near) if near else []
-    models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * len(near), device)
+    models = evaluate_folded(case, [inputs] * samples + near, tuple(range(samples)) + (0,) * len(near), device,
+                             order)
     return models[:samples] + (_shifted(models[0], truth, models[samples:], exact) if near else [])

@@ -192,11 +192,11 @@ class Examiner:
         after_oracle = self._synchronized()
         self.baseline_evaluations += 1
         samples = baseline.evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
-        if self.recurrent and judged.entry != "decode" and judged.chunk_size > 1:
-            # a side evaluates token by token: the model at chunk size 1 too (its stages have other layouts; a
-            # case too large for it is outside such a side's reach, Implementation.skip_reason)
+        if self.recurrent and judged.entry == "chunk_scan":
+            # a side evaluates token by token: the model in that order too (its stages have other layouts; a case
+            # too large for it is outside such a side's reach, Implementation.skip_reason)
             token = baseline.evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
-                                              at_neighbours=(near, at_near))
+                                              at_neighbours=(near, at_near), order="recurrent")
             samples += [Evaluation(e.outputs, e.grads) for e in token]
         self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
                             baseline=self._synchronized() - after_oracle)

@@ -42,7 +42,7 @@ class Implementation:
     description: str = ""
     capabilities: Capabilities = Capabilities()
     # The order its scan evaluates in: "chunked" (the baseline's model, harness/baseline.py) or "recurrent"
-    # (token by token: the evidence adds the model at chunk size 1, whose rounding grows with the tokens a state
+    # (token by token: the evidence adds the model in the token order, whose rounding grows with the tokens a state
     # carries, as a token recurrence's does; harness/examine.py).
     evaluation_order: str = "chunked"
 
@@ -83,7 +83,7 @@ class Implementation:
             why = limit(case)
             if why:
                 return why
-        if self.evaluation_order == "recurrent" and case.entry != "decode":
+        if self.evaluation_order == "recurrent" and case.entry == "chunk_scan":
             from harness.baseline import token_model_too_large
 
             why = token_model_too_large(case)
