@@ -789,13 +789,15 @@ def _fold(inputs: list) -> Inputs:
 
 def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[str] = None,
                     order: str = "chunked") -> list:
-    """`evaluate` of sample ``samples[i]`` at ``inputs[i]`` for every i, in one evaluation (``order``: `scan`'s, for
-    the chunk_scan entry): the inputs folded into
-    the batch rows (`_fold`; a case's rows are independent, its parameters carried per fold), every rounding point
+    """`evaluate` of sample ``samples[i]`` at ``inputs[i]`` for every i, in one evaluation (``order``: `scan`'s, the
+    chunk_scan entry's only): the inputs folded into the batch rows (`_fold`; a case's rows are independent, its
+    parameters carried per fold), every rounding point
     drawing each fold's signs from that sample's own generator (`FoldedSigns`). One evaluation of a few small
     tensors launches as many kernels as one of a large tensor, and on a GPU the launches are what an evaluation
     costs. Returns one Evaluation per fold, each what that sample evaluated alone gives (up to the order of the
     larger products' sums)."""
+    if order != "chunked" and case.entry != "chunk_scan":
+        raise ValueError(f"the {order} order is modelled for the chunk_scan entry only, not {case.entry}")
     folds = len(inputs)
     first = inputs[0]
     device = device if device is not None else first.device

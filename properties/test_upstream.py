@@ -19,8 +19,8 @@ multiple of a same-precision baseline's error; padding outputs and elements beyo
 judged; dtypes are checked). No tolerance lives here. Cases a known defect of the installed release explains
 (harness.known.matching) are left out of the general properties: the registry test pins each one, and
 `ssdiff fuzz` reports them under their ids. A record that bounds its error leaves its cases in: a divergence it
-accounts for (harness.known.explains) passes, any other fails. Runs on the CPU under the Triton interpreter (tiny shapes) or
-natively on a GPU (``--device cuda``; bf16 and fla.chunk_simple_gla there).
+accounts for (harness.known.explains) passes, any other fails. Runs on the CPU under the Triton interpreter (tiny
+shapes) or natively on a GPU (``--device cuda``; bf16 and fla.chunk_simple_gla there).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ runtime.configure()                     # before any kernel module is imported
 
 from harness import known, tf32, upstream  # noqa: E402
 from harness.case import Case, Regime  # noqa: E402
+from harness.evaluation import Evaluation  # noqa: E402
 from harness.examine import Examiner, Outcome  # noqa: E402
 from harness.features import without  # noqa: E402
 from harness.impls import all_implementations, get  # noqa: E402
 from harness.impls.generic import CallableImplementation  # noqa: E402
 from harness.inputs import materialize  # noqa: E402
 from harness.strategies import Bounds, cases  # noqa: E402
-from harness.evaluation import Evaluation  # noqa: E402
 from harness.verdict import Verdict, judge  # noqa: E402
 from properties import pooled  # noqa: E402
 
