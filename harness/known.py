@@ -636,7 +636,7 @@ def explains(defect: KnownDefect, side: str, outcome, factor: Optional[float] = 
     if verdict.ok or defect.error is None:
         return not verdict.ok
     if verdict.status != "diverged" or side not in outcome.outputs:
-        return False                # a run failure or a non-finite tensor is more than a bounded rounding error
+        return False        # a run failure, a non-finite or a mismatched tensor is more than a bounded rounding error
     failing = failing_tensors(verdict)
     error = defect.error(outcome.case, outcome.inputs)
     if not failing <= error.keys():
