@@ -77,11 +77,14 @@ MAMBA_FUNCTIONS = {
 
 FORCE_CONFIG = '''
 # Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): {why}.
+# A config that does not fit this device (shared memory, registers) is skipped for the next one, as the
+# benchmarking autotuner skips it.
 CONFIG_INDEX = {index}
 
 
 def force_autotune_config(index):
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.errors import OutOfResources
     real_run = Autotuner.run
 
     def run(self, *args, **kwargs):
@@ -89,9 +92,15 @@ def force_autotune_config(index):
         if self.early_config_prune is not None and len(configs) > 1:
             self.nargs = dict(zip(self.arg_names, args))
             configs = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
-        saved, self.configs = self.configs, [configs[index % len(configs)]]
+        saved = self.configs
         try:
-            return real_run(self, *args, **kwargs)
+            for step in range(len(configs)):
+                self.configs = [configs[(index + step) % len(configs)]]
+                try:
+                    return real_run(self, *args, **kwargs)
+                except OutOfResources:
+                    if step == len(configs) - 1:
+                        raise
         finally:
             self.configs = saved
 

@@ -578,7 +578,8 @@ GATE_SUM_CASE = Case(batch=2, seqlen=4, nheads=4, headdim=5, ngroups=2, dstate=4
 def test_a_record_that_bounds_its_error_explains_no_more_than_that(device, tmp_path):
     """fla-fused-recurrent-gate-gradient-cancellation bounds its error (harness/known.py, running_gate_sum_error):
     a divergence of the kernel as it is, in grad A, dt or dt_bias, is the record's; the same run with its gradient
-    of A or of x 0.1% off is not, and `ssdiff fuzz` and the calibration count it as a divergence of its own."""
+    of A doubled, or of x half as large again, is not (under the interpreter, of A 0.1% off either), and `ssdiff
+    fuzz` and the calibration count it as a divergence of its own."""
     from harness.calibrate import Row
     from harness.fuzz import FuzzConfig, Fuzzer
 
@@ -598,7 +599,11 @@ def test_a_record_that_bounds_its_error_explains_no_more_than_that(device, tmp_p
         return dataclasses.replace(outcome, verdicts={side: judged}, outputs={side: wrong})
 
     fuzzer = Fuzzer(FuzzConfig(impl=side, device=device, max_examples=1, out_dir=str(tmp_path), pool=False))
-    for name, factor in (("A", 1.001), ("x", 1.001)):
+    plants = [("A", 2.0), ("x", 1.5)]
+    if runtime.interpreted():
+        # natively the float32 budget models TF32 dots, about 1e-3 of a gradient: a 0.1% error is within it there
+        plants.append(("A", 1.001))
+    for name, factor in plants:
         wrong = planted(name, factor)
         assert not wrong.verdicts[side].ok, f"grad {name} {factor}x is within budget"
         assert not known.explains(defect, side, wrong), f"grad {name} {factor}x is explained by {defect.id}"
