@@ -507,16 +507,17 @@ def scan(x, dt, A, B, C, *, chunk_size, rounding: Rounding = EXACT, D=None, z=No
     final = state.reshape(b, h, p, n)                                        # passed: (b, c, g, r, p, n)
 
     # Inter-chunk: C times the entering state (both rounded), scaled by the decay from the chunk start.
-    reaches = (seq_c == prev_last[:, :, None]) & real_c
-    from_start = rounding.decay(cs_g) * reaches[..., None, None]             # (b, c, Q, g, r)
-    y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
     if order == "recurrent":
         if Q != 1:
             raise ValueError(f"the recurrent order is the model at chunk size 1, not {Q}")
         after = torch.cat([passed[:, 1:], state[:, None]], dim=1)            # the state after each token
-        y_diag = 0.0
-        y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(after)))
-    y = keep(y_diag + y_off).reshape(b, c * Q, h, p)[:, :L]
+        y = keep(rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(after))))
+    else:
+        reaches = (seq_c == prev_last[:, :, None]) & real_c
+        from_start = rounding.decay(cs_g) * reaches[..., None, None]         # (b, c, Q, g, r)
+        y_off = rounding.grad_operand(torch.einsum("bcign,bcgrpn->bcigrp", Cq, dot(passed))) * from_start[..., None]
+        y = keep(y_diag + y_off)
+    y = y.reshape(b, c * Q, h, p)[:, :L]
 
     inside = (torch.arange(c * Q, device=dev) < L).reshape(c, Q)
     stages = {
