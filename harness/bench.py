@@ -52,6 +52,8 @@ def campaign(impl: str, pass_: str, dtype: str, budget: float, cache: str, out: 
             "first_s": None if t.get("first_judged_after_s") is None else
             round(t["first_judged_after_s"] + t.get("setup_s", 0.0), 2),
             "production": t.get("production_shape_cases"),
+            # where the search's time went: judging cases, waiting for the workers compiling ahead
+            "examine_s": t.get("examine_s"), "compile_wait_s": t.get("compile_wait_s"),
             "largest_ratio": worst, "divergences": len(summary.get("divergences", [])),
             "divergent_cases": [_case_of(d) for d in summary.get("divergences", [])],
             "known": sum(k.get("reproduced", 0) for k in summary.get("known", [])),

@@ -157,6 +157,7 @@ class FuzzReport:
     setup_s: float = 0.0                               # before the search: imports, loading the implementations
     production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
     untuned_while_compiling: int = 0                   # tuned cases judged under config 0, their key compiling
+    compile_wait_s: float = 0.0                        # waiting for the workers compiling ahead (precompile.py)
     # where the judged cases' time went, by shape ("production" / "other"): {"cases": n, "examine": s, and the
     # seconds of each of harness.examine.PHASES}
     case_seconds: dict = field(default_factory=dict)
@@ -183,8 +184,10 @@ class FuzzReport:
                 "setup_s": round(self.setup_s, 2),
                 "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases,
                 "untuned_while_compiling": self.untuned_while_compiling,
+                "compile_wait_s": round(self.compile_wait_s, 2),
                 # examine: inputs, oracle, baseline, the sides' runs (compiling and tuning included) and verdicts;
-                # the rest of search_s is drawing, fitting and the search's own work
+                # compile_wait: representatives waiting for the workers; the rest of search_s is drawing, fitting
+                # and the search's own work
                 "examine_s": round(examined, 2), "per_case": per_case}
 
     def required_factor_by_side(self) -> dict:
@@ -639,22 +642,29 @@ class Fuzzer:
             if choice == "tuned":
                 self._tuned_pending.append(case)
             first = 0 if choice == "tuned" else choice
-            if self._out_of_budget():
-                return False
             if self.compiler.ready():
-                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=first)
+                self._wait_for_workers(case, index=first)
             # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
             # worker gets to it, finds the variants on disk
+            if self._out_of_budget():           # (a wait ends with the budget): no case begun after it
+                return False
             if self._judge(case, first):
                 return True
         for case, choice in later:
+            if self.compiler is not None:
+                self._wait_for_workers(case)
             if self._out_of_budget():
                 return False
-            if self.compiler is not None:
-                self.compiler.wait(case, self._time_left(COMPILE_WAIT_S))
             if self._judge(case, choice):
                 return True
         return False
+
+    def _wait_for_workers(self, case, index=None) -> None:
+        """Wait (at most COMPILE_WAIT_S, or what is left of the budget) for the workers' jobs of ``case`` (those of
+        config ``index`` alone when given), the time counted in the throughput's compile_wait_s."""
+        start = time.perf_counter()
+        self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=index)
+        self.report.compile_wait_s += time.perf_counter() - start
 
     def _judge_tuned_pending(self) -> bool:
         """Judge tuned the representatives judged under config 0 whose every config is in by now (between

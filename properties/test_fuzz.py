@@ -494,7 +494,7 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     once, compiled here, while the workers are still starting): one to be judged tuned meanwhile under config
     0, then tuned between rounds once every config is in, never waiting for them (straight away tuned where every
     config is in already); a boundary key's under its config alone. Forward before backward, production shapes
-    last in each pass."""
+    last in each pass. The waits are counted in the throughput's compile_wait_s."""
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=20,
                                pool=True, compile_ahead=False, autotune=autotune, pass_="mixed",
                                dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
@@ -510,6 +510,7 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
         def wait(self, case, timeout, index=None):
             if timeout > 0:                                 # a wait, not a look
                 waited.append((case, index))
+                time.sleep(0.01)
             return not compiling or timeout > 0
 
         def ready(self):
@@ -524,6 +525,9 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
                   key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
     assert submitted == [case for case, _ in reps]            # compiled in the order they are judged
+    # the waits are the throughput's compile_wait_s
+    assert (fuzzer.report.throughput()["compile_wait_s"] >= 0.01 * len(waited)) and (waited or
+                                                                                   fuzzer.report.compile_wait_s == 0)
     waits_for_its_config = workers_up
     if autotune == 2:
         assert judged == [(case, 2) for case, _ in reps]
@@ -543,6 +547,34 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
         assert judged == at_boundary + tuned
     assert not any((case, None) in waited for case, _ in at_boundary)
     assert all(((case, key.boundary.config) in waited) == waits_for_its_config for case, key in reps if key.boundary)
+
+
+def test_no_representative_is_judged_after_the_budget_ran_out_while_it_waited(tmp_path, device):
+    """A representative's wait for the workers ends with the time budget, and a case not begun by then is not
+    begun: judged (compiling in the campaign's own process) it would overrun the budget by its whole run."""
+    fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=None,
+                               max_time=0.2, pool=True, compile_ahead=False, autotune="tuned", pass_="forward",
+                               dtypes=("float32",), report_dir=None, out_dir=str(tmp_path), seed=1,
+                               pool_mix=Mix(size=2, production=0.0, boundary=0.0)))
+    judged = []
+
+    class Workers:
+        def submit(self, cases):
+            pass
+
+        def wait(self, case, timeout, index=None):
+            time.sleep(timeout)                             # the workers are behind: every wait runs to its end
+            return False
+
+        def ready(self):
+            return True
+
+    fuzzer.compiler = Workers()
+    fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
+    fuzzer._start = time.perf_counter()
+    assert fuzzer._representatives(fuzzer.pool.keys) is False
+    assert judged == []
+    assert 0.15 < fuzzer.report.compile_wait_s < 1.0
 
 
 def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
