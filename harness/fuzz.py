@@ -646,7 +646,7 @@ class Fuzzer:
                 self._wait_for_workers(case, index=first)
             # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
             # worker gets to it, finds the variants on disk
-            if self._out_of_budget():           # (a wait ends with the budget): no case begun after it
+            if self._out_of_budget():           # a wait ends with the budget: no case is begun after it
                 return False
             if self._judge(case, first):
                 return True
