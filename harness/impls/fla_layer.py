@@ -17,6 +17,7 @@ mamba_ssm is loaded first (harness.upstream), with the causal_conv1d stand-in.
 from __future__ import annotations
 
 import importlib
+import logging
 import warnings
 from typing import Optional
 
@@ -55,6 +56,9 @@ def fla_mamba2_module():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module = importlib.import_module(MODULE)
+    # the layer logs "does not recommend using Triton's conv1d backend" at every construction, i.e. every case
+    # (the adapters choose that backend: causal_conv1d is absent off a GPU), drowning a campaign's progress
+    logging.getLogger(MODULE).setLevel(logging.ERROR)
     if mamba and module.mamba_chunk_scan_combined is None:
         for source, name in FROM_MAMBA:
             setattr(module, name, getattr(importlib.import_module(source), name))
