@@ -551,9 +551,10 @@ class Fuzzer:
         if fitted is None:
             reason = next(iter(self.examiner.skip_reasons(case)), "outside the capabilities")
         elif cfg.known == "skip":
-            # a record that bounds its error (harness/known.py, `explains`) explains part of a verdict, never a case
+            # where a record bounds its error (harness/known.py, `KnownDefect.bounds`) it explains part of a verdict,
+            # never a case
             defect = next((d for d in (known.matching(s, fitted) for s in self.examiner.sides)
-                           if d is not None and d.error is None), None)
+                           if d is not None and not d.bounds(fitted)), None)
             reason = f"known defect {defect.id} (--known skip)" if defect else None
         if reason:
             self.report.skipped += 1

@@ -84,7 +84,7 @@ def agrees_with_oracle(examiner: Examiner, case: Case, choice: runtime.Choice = 
     outcome = examine(examiner, case, choice)
     for side, verdict in outcome.verdicts.items():
         defect = known.matching(side, case) if not verdict.ok else None
-        if defect is not None and defect.error is not None and known.explains(defect, side, outcome):
+        if defect is not None and defect.bounds(case) and known.explains(defect, side, outcome):
             note(f"{side}: within known defect {defect.id}'s error: {verdict.message()}")
             continue
         assert_agrees(verdict, case, choice)
@@ -110,7 +110,7 @@ def known_defect(name: str, case: Case) -> Optional[str]:
     """The id of the known defect of ``name``'s installed release that explains ``case`` whatever diverges, or None
     (a record that bounds its error explains part of a verdict: its cases are judged, `agrees_with_oracle`)."""
     defect = known.matching(name, case)
-    return defect.id if defect is not None and defect.error is None else None
+    return defect.id if defect is not None and not defect.bounds(case) else None
 
 
 # ---- generating cases within an implementation's capabilities --------------------------------------------
@@ -495,6 +495,12 @@ def test_known_defect_reproduces(defect, device, request):
     reproduces(defect, defect.example, device, request, defect.example_choice)
 
 
+# A CPU campaign's divergence of ssd_minimal_discrete (grad A 1.67x, mild decay, float16; none smaller diverges)
+MILD_CHUNK_SUM_CASE = Case(batch=2, seqlen=12, nheads=1, headdim=6, ngroups=1, dstate=7, chunk_size=4,
+                           dtype="float16", D="none", has_dt_bias=False, dt_softplus=False, initial_states=True,
+                           return_final_states=False, regime=Regime(decay="mild", scale=4.0), pass_="backward",
+                           seed=1330)
+
 # Cases of a record its example does not cover: another variant of the defect, another implementation, another
 # regime of its predicate.
 PREDICATE_CASES = [
@@ -525,6 +531,17 @@ PREDICATE_CASES = [
                       dt_softplus=False, final_state_grad=True, regime=Regime(decay="typical", dt_large=True),
                       pass_="backward", seed=3),
                  id="ssd-minimal-grad-A-with-dt-above-20"),
+    pytest.param("mamba-ssd-minimal-half-precision-chunk-sum", MILD_CHUNK_SUM_CASE,
+                 marks=pytest.mark.interpreter(reason="measured on the CPU only: a GPU's torch sums half precision "
+                                                      "in another order, and the case is at 1.67x its budget"),
+                 id="ssd-minimal-grad-A-at-mild-decay-fp16"),
+    pytest.param("mamba-ssd-minimal-half-precision-chunk-sum",
+                 Case(seqlen=4, nheads=4, headdim=1, ngroups=1, dstate=1, chunk_size=4, dtype="float16", D="none",
+                      has_dt_bias=False, dt_softplus=False, return_final_states=False,
+                      regime=Regime(decay="none", scale=4.0), pass_="backward", seed=996),
+                 marks=pytest.mark.interpreter(reason="measured on the CPU only: a GPU's torch sums half precision "
+                                                      "in another order, and the case is at 1.38x its budget"),
+                 id="ssd-minimal-grad-A-without-decay-fp16"),
     pytest.param("mamba-chunk-scan-unstable-ddA",
                  Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=16, return_final_states=False,
                       regime=Regime(decay="strong"), pass_="backward", seed=1),
@@ -573,21 +590,29 @@ def test_a_token_recurrence_is_budgeted_by_its_own_order(device):
 GATE_SUM_CASE = Case(batch=2, seqlen=4, nheads=4, headdim=5, ngroups=2, dstate=4, chunk_size=16, D="channel",
                      has_z=False, has_dt_bias=False, dt_softplus=False, return_final_states=False,
                      regime=Regime(decay="typical", scale=4.0, layout="strided"), pass_="backward", seed=2396)
+BOUNDED_RECORDS = [
+    pytest.param("fla-fused-recurrent-gate-gradient-cancellation", GATE_SUM_CASE, id="fla-gate-sum"),
+    pytest.param("mamba-ssd-minimal-half-precision-chunk-sum", MILD_CHUNK_SUM_CASE, id="ssd-minimal-mild-decay"),
+]
 
 
-def test_a_record_that_bounds_its_error_explains_no_more_than_that(device, tmp_path):
-    """fla-fused-recurrent-gate-gradient-cancellation bounds its error (harness/known.py, running_gate_sum_error):
-    a divergence of the kernel as it is, in grad A, dt or dt_bias, is the record's; the same run with its gradient
-    of A doubled, or of x half as large again, is not (under the interpreter, of A 0.1% off either), and `ssdiff
-    fuzz` and the calibration count it as a divergence of its own."""
+@pytest.mark.parametrize("defect_id, case", BOUNDED_RECORDS)
+def test_a_record_that_bounds_its_error_explains_no_more_than_that(defect_id, case, device, tmp_path):
+    """A record that bounds its error on a case (harness/known.py: fla-fused-recurrent-gate-gradient-cancellation's
+    running_gate_sum_error, mamba-ssd-minimal-half-precision-chunk-sum's half_precision_chunk_sum_error at mild
+    decay): a divergence of the implementation as it is, in the gradients the record corrupts, is the record's;
+    the same run with its gradient of A doubled, or of x half as large again, is not (under the interpreter, of A
+    0.1% off either, for the float32 record), and `ssdiff fuzz` and the calibration count it as a divergence of its
+    own."""
     from harness.calibrate import Row
     from harness.fuzz import FuzzConfig, Fuzzer
 
-    defect = known.BY_ID["fla-fused-recurrent-gate-gradient-cancellation"]
+    defect = known.BY_ID[defect_id]
     side = defect.implementations[0]
-    usable(side, "float32", True, device)
+    usable(side, case.dtype, True, device)
+    assert defect.applies(case) and defect.bounds(case)
     with Examiner([side], device) as examiner:
-        outcome = examine(examiner, GATE_SUM_CASE)
+        outcome = examine(examiner, case)
     verdict = outcome.verdicts[side]
     assert verdict.ok or known.explains(defect, side, outcome), verdict.message()
 
@@ -600,7 +625,7 @@ def test_a_record_that_bounds_its_error_explains_no_more_than_that(device, tmp_p
 
     fuzzer = Fuzzer(FuzzConfig(impl=side, device=device, max_examples=1, out_dir=str(tmp_path), pool=False))
     plants = [("A", 2.0), ("x", 1.5)]
-    if runtime.interpreted():
+    if runtime.interpreted() and case.dtype == "float32":
         # natively the float32 budget models TF32 dots, about 1e-3 of a gradient: a 0.1% error is within it there
         plants.append(("A", 1.001))
     for name, factor in plants:
@@ -608,7 +633,7 @@ def test_a_record_that_bounds_its_error_explains_no_more_than_that(device, tmp_p
         assert not wrong.verdicts[side].ok, f"grad {name} {factor}x is within budget"
         assert not known.explains(defect, side, wrong), f"grad {name} {factor}x is explained by {defect.id}"
         assert fuzzer._note_known(wrong) == set()
-        row = Row(side, device, "float32")
+        row = Row(side, device, case.dtype)
         row.observe(wrong)
         assert len(row.divergences) == 1 and not row.known
 
