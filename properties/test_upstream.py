@@ -532,15 +532,15 @@ PREDICATE_CASES = [
                       pass_="backward", seed=3),
                  id="ssd-minimal-grad-A-with-dt-above-20"),
     pytest.param("mamba-ssd-minimal-half-precision-chunk-sum", MILD_CHUNK_SUM_CASE,
-                 marks=pytest.mark.interpreter(reason="measured on the CPU only: a GPU's torch sums half precision "
-                                                      "in another order, and the case is at 1.67x its budget"),
+                 marks=pytest.mark.interpreter(reason="measured on the CPU only (at 1.67x its budget); a GPU's torch "
+                                                      "may sum half precision in another order"),
                  id="ssd-minimal-grad-A-at-mild-decay-fp16"),
     pytest.param("mamba-ssd-minimal-half-precision-chunk-sum",
                  Case(seqlen=4, nheads=4, headdim=1, ngroups=1, dstate=1, chunk_size=4, dtype="float16", D="none",
                       has_dt_bias=False, dt_softplus=False, return_final_states=False,
                       regime=Regime(decay="none", scale=4.0), pass_="backward", seed=996),
-                 marks=pytest.mark.interpreter(reason="measured on the CPU only: a GPU's torch sums half precision "
-                                                      "in another order, and the case is at 1.38x its budget"),
+                 marks=pytest.mark.interpreter(reason="measured on the CPU only (at 1.38x its budget); a GPU's torch "
+                                                      "may sum half precision in another order"),
                  id="ssd-minimal-grad-A-without-decay-fp16"),
     pytest.param("mamba-chunk-scan-unstable-ddA",
                  Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=16, return_final_states=False,
