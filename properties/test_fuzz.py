@@ -574,7 +574,7 @@ def test_no_representative_is_judged_after_the_budget_ran_out_while_it_waited(tm
     fuzzer._start = time.perf_counter()
     assert fuzzer._representatives(fuzzer.pool.keys) is False
     assert judged == []
-    assert 0.15 < fuzzer.report.compile_wait_s < 1.0
+    assert 0.15 < fuzzer.report.compile_wait_s < 5.0         # the one wait: the budget's 0.2 s
 
 
 def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):

@@ -57,7 +57,7 @@ def fla_mamba2_module():
         warnings.simplefilter("ignore")
         module = importlib.import_module(MODULE)
     # the layer logs "does not recommend using Triton's conv1d backend" at every construction, i.e. every case
-    # (the adapters choose that backend: causal_conv1d is absent off a GPU), drowning a campaign's progress
+    # (the adapters choose that backend on purpose), drowning a campaign's progress
     logging.getLogger(MODULE).setLevel(logging.ERROR)
     if mamba and module.mamba_chunk_scan_combined is None:
         for source, name in FROM_MAMBA:
