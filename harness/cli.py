@@ -426,6 +426,8 @@ def cmd_minimize(args) -> int:
         console.print("did not matter (removed): " + ", ".join(result.irrelevant()), highlight=False)
     for v in result.outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
+    for line in known_lines(result.outcome):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     for f in result.files:
         console.print(f"-> {f}", highlight=False, soft_wrap=True)
     return 1
@@ -447,6 +449,8 @@ def cmd_replay(args) -> int:
     console.print(case.describe(), highlight=False, soft_wrap=True)
     for v in outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
+    for line in known_lines(outcome):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     stored = stored_verdicts(path)
     if stored:
         same = True
@@ -460,6 +464,25 @@ def cmd_replay(args) -> int:
         console.print("reproduces the stored verdict exactly" if same else "DIFFERS from the stored verdict",
                       highlight=False)
     return 1 if outcome.diverged else 0
+
+
+def known_lines(outcome) -> list:
+    """What the known-defect registry (harness/known.py) says of each diverging side of ``outcome``: the defect
+    of the installed release that explains the divergence, or the one whose domain the case lies in while the
+    divergence is more than that defect accounts for (a finding of its own, as `ssdiff fuzz` would report it)."""
+    from harness import known
+
+    lines = []
+    for side, verdict in outcome.verdicts.items():
+        defect = None if verdict.ok else known.matching(side, outcome.case)
+        if defect is None:
+            continue
+        if known.explains(defect, side, outcome):
+            lines.append(f"{side}: known defect {defect.id} ({defect.releases}; {defect.status}): {defect.statement}")
+        else:
+            lines.append(f"{side}: the case lies in known defect {defect.id}'s domain, but the divergence is more "
+                         f"than it accounts for: a new finding")
+    return lines
 
 
 def _config_choice(text: str):
@@ -522,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fuzz)
     for name, func, text in (("minimize", cmd_minimize, "shrink a diverging case.json to the smallest case with the "
                                                         "same divergence; write minimized.json and repro.py"),
-                             ("replay", cmd_replay, "judge a saved case.json again and compare with its stored verdict")):
+                             ("replay", cmd_replay, "judge a saved case.json again, compare with its stored "
+                                                    "verdict and name the known defect that explains a divergence")):
         p = sub.add_parser(name, help=text)
         p.add_argument("case", metavar="CASE.json")
         p.add_argument("--impl", help="implementation (default: the sides in the verdict.json next to the case)")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import repro
+from harness import known, repro
 from harness.case import Case, Regime
 from harness.cli import main
 from harness.evaluation import Evaluation
@@ -97,9 +97,36 @@ def test_planted_bugs_minimize_to_the_same_stage(spec, start, device, tmp_path, 
     run = _run_repro(result.repro_path, extra_path=str(Path(__file__).resolve().parents[1]))
     assert run.returncode == 1, run.stdout + run.stderr
     assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", device]) == 1
-    assert "reproduces the stored verdict exactly" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reproduces the stored verdict exactly" in out and "known defect" not in out
     assert main(["replay", str(tmp_path / "minimized.json"), "--impl", spec, "--device", device, "--worst", "2"]) == 1
     assert "largest ratios to budget:\n    (" in capsys.readouterr().out
+
+
+def test_replay_names_the_known_defect_that_explains_a_divergence(tmp_path, device, capsys, monkeypatch):
+    defect = known.BY_ID["mamba-ref-norm-over-whole-dim"]
+    impl = usable(defect.implementations[0], defect.example.dtype, defect.example.backward, device)
+    case = tmp_path / "case.json"
+    case.write_text(defect.example.to_json())
+    command = ["replay", str(case), "--impl", impl.name, "--device", device]
+    assert main(command) == 1
+    out = capsys.readouterr().out
+    assert f"{impl.name}: known defect {defect.id} ({defect.releases}; {defect.status}): {defect.statement}" in out
+    # a divergence in the record's domain that is more than the record accounts for is named a finding of its own
+    monkeypatch.setattr(known, "explains", lambda *args, **kwargs: False)
+    assert main(command) == 1
+    out = capsys.readouterr().out
+    assert f"lies in known defect {defect.id}'s domain, but the divergence is more than it accounts for" in out
+    assert f"{impl.name}: known defect" not in out
+
+
+def test_minimize_names_the_known_defect_of_its_minimal_case(tmp_path, device, capsys):
+    defect = known.BY_ID["mamba-ref-norm-over-whole-dim"]
+    impl = usable(defect.implementations[0], defect.example.dtype, defect.example.backward, device)
+    case = tmp_path / "case.json"
+    case.write_text(defect.example.to_json())
+    assert main(["minimize", str(case), "--impl", impl.name, "--device", device, "--max-runs", "8"]) == 1
+    assert f"{impl.name}: known defect {defect.id} ({defect.releases}" in capsys.readouterr().out
 
 
 def test_replay_of_a_case_a_side_does_not_take_names_what(tmp_path, device, capsys):
