@@ -1,6 +1,6 @@
 """ssdiff minimize / replay / repro.py: the seed divergence shrinks to a tiny case whose standalone repro fails
 until the one-line upstream fix is applied; planted bugs keep their stage; replay reproduces stored verdicts;
-bad input is refused clearly."""
+replay and minimize name the known defect that explains a divergence; bad input is refused clearly."""
 
 import importlib.util
 import math
