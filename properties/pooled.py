@@ -54,6 +54,23 @@ def keys(label: str, entries: Sequence[str], dtype: str, backward: Optional[bool
     return _keys[ident]
 
 
+def runnable_by(impl, device: Optional[str] = None) -> Callable:
+    """A ``fit`` for `keys`: the case itself where ``impl`` runs it on ``device`` (the default device), else None."""
+    device = device or runtime.default_device()
+    return lambda case: case if impl.skip_reason(case, device) is None else None
+
+
+def cases_here(label: str, entries: Sequence[str], dtypes: Sequence[str], backward: Optional[bool], bounds: Bounds,
+               fit: Optional[Callable] = None):
+    """A property's cases of one of ``entries`` in one of ``dtypes``: from the run's keys for ``label`` where
+    properties draw from compile keys (`pooled`: `cases_from_keys`, ``fit`` as for `keys`), otherwise drawn
+    freely (harness.strategies.cases). The one way a property that launches kernels draws its cases."""
+    if pooled():
+        return cases_from_keys(label, entries, dtypes, backward, bounds, fit)
+    return st.sampled_from(tuple(entries)).flatmap(
+        lambda entry: cases(entry=entry, dtypes=tuple(dtypes), bounds=bounds, backward=backward))
+
+
 def cases_from_keys(label: str, entries: Sequence[str], dtypes: Sequence[str], backward: Optional[bool],
                     bounds: Bounds, fit: Optional[Callable] = None, seed: Optional[int] = None):
     """A strategy: a case of one of the run's keys (`keys`) for ``label``, in one of ``dtypes``."""

@@ -148,8 +148,7 @@ def test_selective_state_update_is_within_budget(device):
     if why:
         pytest.skip(f"{STEP}: {why}")
     # natively under the gpu and nightly profiles, from the run's compile keys (properties/pooled.py)
-    drawn = pooled.cases_from_keys(STEP, ("decode",), DTYPES, None, BOUNDS, lambda c: step_kernel_fit(c, device)) \
-        if pooled.pooled() else decode_cases()
+    drawn = pooled.cases_here(STEP, ("decode",), DTYPES, None, BOUNDS, lambda c: step_kernel_fit(c, device))
 
     @given(drawn)
     @example(Case(entry="decode", batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,

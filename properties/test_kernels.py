@@ -36,8 +36,9 @@ from harness.case import Case, Regime
 from harness.impls import get
 from harness.impls.ssdiff_triton import chunk_major_to_tokens
 from harness.inputs import materialize
-from harness.strategies import Bounds, cases
+from harness.strategies import Bounds
 from harness.verdict import judge, judge_tensor
+from properties import pooled
 from properties.oracle_checks import dt_on_its_bounds
 
 runtime.configure()
@@ -55,6 +56,12 @@ _SCALE = {"gpu": 5, "nightly": 20}.get(_PROFILE, 1)
 DTYPES = tuple(d for d in ("float32", "float16", "bfloat16") if d in runtime.runnable_dtypes())
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=6, max_dstate=6, chunk_sizes=(4, 8, 16))
 CONFIG_INDEX = st.integers(0, configs.max_configs() - 1)
+
+
+def kernel_cases(entry: str, bounds: Bounds, backward=None):
+    """Cases of ``entry`` within ``bounds`` that the kernels run here (natively under the gpu and nightly
+    profiles, from the run's compile keys: properties/pooled.py)."""
+    return pooled.cases_here(IMPL, (entry,), DTYPES, backward, bounds, fit=pooled.runnable_by(get(IMPL)))
 
 
 def _settings(n):
@@ -81,7 +88,7 @@ def _chunk_major(t_tokens: torch.Tensor, Q: int, fill_last: bool) -> torch.Tenso
 
 
 @_settings(12)
-@given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=False), index=CONFIG_INDEX)
+@given(case=kernel_cases("chunk_scan", SMALL, backward=False), index=CONFIG_INDEX)
 @example(case=Case(batch=1, seqlen=40, nheads=4, ngroups=2, headdim=20, dstate=18, chunk_size=16, D="channel",
                    has_z=True, initial_states=True, segments=((5, 16, 17),), padding=(2,), varlen_states=True,
                    regime=Regime(decay="mild", layout="strided")), index=1)
@@ -164,7 +171,7 @@ def _run_and_judge(case, index, device, want_stages=False):
 
 
 @_settings(20)
-@given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=False), index=CONFIG_INDEX)
+@given(case=kernel_cases("chunk_scan", SMALL, backward=False), index=CONFIG_INDEX)
 @example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True, seq_idx_start=1,
                    regime=Regime(decay="strong")), index=2)
@@ -173,7 +180,7 @@ def test_forward_matches_the_oracle(case, index, device):
 
 
 @_settings(16)
-@given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=SMALL, backward=True), index=CONFIG_INDEX)
+@given(case=kernel_cases("chunk_scan", SMALL, backward=True), index=CONFIG_INDEX)
 @example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True,
                    regime=Regime(decay="strong"), pass_="backward", final_state_grad=True), index=0)
@@ -195,7 +202,7 @@ MULTI_TILE = Bounds(max_batch=1, max_seqlen=80, max_nheads=2, max_headdim=4, max
 
 
 @_settings(4)
-@given(case=cases(entry="chunk_scan", dtypes=DTYPES, bounds=MULTI_TILE), index=CONFIG_INDEX)
+@given(case=kernel_cases("chunk_scan", MULTI_TILE), index=CONFIG_INDEX)
 @example(case=Case(batch=1, seqlen=70, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="channel",
                    segments=((20, 30, 20),), initial_states=True, regime=Regime(decay="mild"),
                    pass_="backward", final_state_grad=True), index=1)
@@ -271,9 +278,8 @@ def test_nothing_reads_the_dA_cumsum_past_the_last_token(entry, device, monkeypa
 
 
 @_settings(8)
-@given(case=cases(entry="split_conv1d", dtypes=DTYPES, bounds=Bounds(max_batch=2, max_seqlen=16, max_nheads=4,
-                                                                     max_headdim=4, max_dstate=4,
-                                                                     chunk_sizes=(4, 8))),
+@given(case=kernel_cases("split_conv1d", Bounds(max_batch=2, max_seqlen=16, max_nheads=4, max_headdim=4, max_dstate=4,
+                                              chunk_sizes=(4, 8))),
        index=CONFIG_INDEX)
 @example(case=Case(entry="split_conv1d", batch=2, seqlen=12, nheads=3, headdim=3, ngroups=3, dstate=3, chunk_size=4,
                    dtype="float16", dt_limit=(0.0, 1.0), conv_width=2, activation="identity", out_dim=6,

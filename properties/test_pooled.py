@@ -45,6 +45,22 @@ def test_every_drawn_case_is_one_of_the_keys(data):
     assert key_of(case, keys) is not None, f"{case.describe()} is none of {[k.describe() for k in keys]}"
 
 
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_cases_here_come_from_the_keys_exactly_where_properties_are_pooled(forced, monkeypatch):
+    monkeypatch.setenv("SSDIFF_POOLED", forced)
+    keys = pooled.keys("here", ("chunk_scan",), "float32", False, BOUNDS)
+    of_a_key = []
+
+    @settings(max_examples=30, database=None)
+    @given(case=pooled.cases_here("here", ("chunk_scan",), ("float32",), False, BOUNDS))
+    def drawn(case):
+        assert case.entry == "chunk_scan" and case.dtype == "float32" and not case.backward
+        of_a_key.append(key_of(case, keys) is not None)
+
+    drawn()
+    assert all(of_a_key) if forced == "1" else not all(of_a_key)
+
+
 def test_a_pooled_property_draws_what_its_implementation_can_run_from_its_keys(device, monkeypatch):
     monkeypatch.setenv("SSDIFF_POOLED", "1")
     impl = get("mamba_ssm.split_conv1d_ref")

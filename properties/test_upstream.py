@@ -162,14 +162,10 @@ def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
     none that a known defect of the installed release explains."""
     cap = impl.capabilities
     bounds = bounds_here()
-    if pooled.pooled():
-        fit = lambda case: narrowed(impl, case, device, bounds, where)         # noqa: E731
-        label = impl.name if where is None else f"{impl.name}, narrowed"       # a ``where`` fits keys of its own
-        case = draw(pooled.cases_from_keys(label, sorted(cap.entries), (dtype,), backward, bounds, fit))
-    else:
-        entry = draw(st.sampled_from(sorted(cap.entries)))
-        case = draw(cases(entry=entry, dtypes=(dtype,), bounds=bounds, backward=backward))
-    case = narrowed(impl, case, device, bounds, where)
+    fit = lambda case: narrowed(impl, case, device, bounds, where)             # noqa: E731
+    label = impl.name if where is None else f"{impl.name}, narrowed"           # a ``where`` fits keys of its own
+    case = narrowed(impl, draw(pooled.cases_here(label, sorted(cap.entries), (dtype,), backward, bounds, fit)),
+                    device, bounds, where)
     assume(case is not None)
     return case
 
