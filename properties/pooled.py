@@ -9,7 +9,8 @@ per run for each (label, dtype, pass) from the run's seed: SSDIFF_POOL_SEED, els
 runs meet other keys. A failing example prints its whole case, which replays without its key.
 
 The dev profile is derandomized natively instead (the same free draws every run, which a kept Triton cache holds),
-and under the interpreter nothing compiles: both draw freely. SSDIFF_POOLED=1 (or 0) forces the choice.
+and under the interpreter nothing compiles: both draw freely. SSDIFF_POOLED=1 (or 0) forces the choice. A property
+that launches kernels draws through `cases_here`, which makes it.
 """
 
 from __future__ import annotations

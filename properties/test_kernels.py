@@ -17,13 +17,12 @@ per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its b
 baseline models TF32 for fp32.
 
 Cost: the example counts are sized for CI on 2 CPU cores under the Triton interpreter; the gpu/nightly profiles
-(SSDIFF_PROFILE) multiply them by 5 / 20.
+(``--hypothesis-profile`` or SSDIFF_PROFILE) multiply them by 5 / 20.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
@@ -51,8 +50,7 @@ from kernels.ssd.cumsum import ssd_cumsum_fwd  # noqa: E402
 from kernels.ssd.state_passing import ssd_state_passing_fwd  # noqa: E402
 
 IMPL = "ssdiff.triton"
-_PROFILE = os.environ.get("SSDIFF_PROFILE") or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev")
-_SCALE = {"gpu": 5, "nightly": 20}.get(_PROFILE, 1)
+_SCALE = {"gpu": 5, "nightly": 20}.get(settings._current_profile, 1)      # the profile conftest.py loaded
 DTYPES = tuple(d for d in ("float32", "float16", "bfloat16") if d in runtime.runnable_dtypes())
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=6, max_dstate=6, chunk_sizes=(4, 8, 16))
 CONFIG_INDEX = st.integers(0, configs.max_configs() - 1)
