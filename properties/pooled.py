@@ -10,7 +10,7 @@ runs meet other keys. A failing example prints its whole case, which replays wit
 
 The dev profile is derandomized natively instead (the same free draws every run, which a kept Triton cache holds),
 and under the interpreter nothing compiles: both draw freely. SSDIFF_POOLED=1 (or 0) forces the choice. A property
-that launches kernels draws through `cases_here`, which makes it.
+that launches kernels draws through `cases_here`, which makes that choice.
 """
 
 from __future__ import annotations
