@@ -10,7 +10,8 @@ runs meet other keys. A failing example prints its whole case, which replays wit
 
 The dev profile is derandomized natively instead (the same free draws every run, which a kept Triton cache holds),
 and under the interpreter nothing compiles: both draw freely. SSDIFF_POOLED=1 (or 0) forces the choice. A property
-that launches kernels draws through `cases_here`, which makes that choice.
+that launches kernels as many times as the profile asks draws through `cases_here`, which makes that choice (one
+that runs a handful of examples at any profile, such as test_layer's upstream layers, draws freely).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def cases_here(label: str, entries: Sequence[str], dtypes: Sequence[str], backwa
                fit: Optional[Callable] = None):
     """A property's cases of one of ``entries`` in one of ``dtypes``: from the run's keys for ``label`` where
     properties draw from compile keys (`pooled`: `cases_from_keys`, ``fit`` as for `keys`), otherwise drawn
-    freely (harness.strategies.cases). The one way a property that launches kernels draws its cases."""
+    freely (harness.strategies.cases). The one way a property that launches kernels at the profile's example count draws its cases."""
     if pooled():
         return cases_from_keys(label, entries, dtypes, backward, bounds, fit)
     return st.sampled_from(tuple(entries)).flatmap(
