@@ -9,7 +9,7 @@ Select with ``--hypothesis-profile NAME`` or ``SSDIFF_PROFILE=NAME``. ``--device
 (default: cuda when available).
 
 The device policy: every test that runs tensors takes the ``device`` fixture and passes it on (nothing names
-'cpu' or 'cuda'; `harness.inputs.materialize` has no default device). A fact that holds only under the Triton
+'cpu' or 'cuda'; `ssdiff.inputs.materialize` has no default device). A fact that holds only under the Triton
 interpreter is marked ``@pytest.mark.interpreter(reason=...)`` and one that needs a GPU
 ``@pytest.mark.gpu(reason=...)``: elsewhere they skip, printing the reason. A mark without a reason fails.
 """
@@ -19,16 +19,11 @@ from __future__ import annotations
 import os
 import random
 
-from harness import runtime
-
-# Before anything defines a Triton kernel: without a GPU, kernels run under the Triton interpreter.
+from ssdiff import runtime  # Before anything defines a Triton kernel: without a GPU, kernels run under the Triton interpreter.
 runtime.configure()
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
-
-# --ssdiff-report: an HTML report of the verdicts and divergences properties find (harness/report).
-pytest_plugins = ("harness.report.pytest_plugin",)
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                       HealthCheck.filter_too_much])

@@ -16,9 +16,10 @@ console = Console()
 
 
 def cmd_list(args) -> int:
-    from harness import runtime, upstream
-    from harness.case import ENTRY_POINTS
-    from harness.impls import all_implementations, get
+    from ssdiff import runtime
+    from ssdiff.sides import upstream
+    from ssdiff.model.case import ENTRY_POINTS
+    from ssdiff.sides.registry import all_implementations, get
 
     runtime.configure()
     out = Console(width=max(console.width, 132)) if not console.is_terminal else console
@@ -38,14 +39,14 @@ def cmd_list(args) -> int:
     else:
         out.print(f"[bold]mamba_ssm[/]: not usable here: {mamba}")
     out.print(f"[bold]fla[/]: {upstream.fla().label}" if fla is None else f"[bold]fla[/]: not usable here: {fla}")
-    from harness import upstream_vllm
+    from ssdiff.sides import upstream_vllm
 
     served = upstream_vllm.vllm_problem()
     if served is None:
         rel = upstream_vllm.vllm()
         out.print(f"[bold]vllm[/]: {rel.label} from {rel.location} (package __init__ not run; its "
                   f"model_executor/layers/mamba/ops only); stood in: {', '.join(sorted(rel.standins))} "
-                  f"(no compiled extension, no platform machinery; harness/upstream_vllm.py)", highlight=False)
+                  f"(no compiled extension, no platform machinery; harness/sides/upstream_vllm.py)", highlight=False)
     else:
         out.print(f"[bold]vllm[/]: not usable here: {served}", highlight=False)
     out.print(f"[bold]sglang[/]: not usable here: {upstream_vllm.sglang_problem()}", highlight=False)
@@ -78,7 +79,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_selfcheck(args) -> int:
-    from harness import selfcheck
+    from ssdiff.tools import selfcheck
 
     table = Table(title=f"oracle self-check: each oracle against ref.recurrent "
                         f"(rtol {selfcheck.RTOL:g}, atol {selfcheck.ATOL:g})")
@@ -95,7 +96,7 @@ def cmd_selfcheck(args) -> int:
 
 
 def cmd_case(args) -> int:
-    from harness.case import Case
+    from ssdiff.model.case import Case
 
     for path in args.paths:
         console.print(f"{path}: {Case.load(path).describe()}", highlight=False)
@@ -104,7 +105,7 @@ def cmd_case(args) -> int:
 
 def cmd_report(args) -> int:
     """Render saved runs (fuzz output directories) as HTML pages and rebuild the index of runs."""
-    from harness.report import browser, render
+    from ssdiff.report import browser, render
 
     if args.output and len(args.runs) != 1:
         console.print("[red]ssdiff report: --output takes exactly one run directory[/]")
@@ -159,8 +160,8 @@ def cmd_fuzz(args) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from harness.fuzz import FuzzConfig, Fuzzer, UsageError
-    from harness.strategies import Bounds
+    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
+    from ssdiff.model.strategies import Bounds
 
     demo = args.command == "demo"
     impl, against = (DEMO["impl"], DEMO["against"]) if demo else (args.impl, args.against)
@@ -174,8 +175,8 @@ def cmd_fuzz(args) -> int:
     sizes = {k: getattr(args, k, None) for k in ("max_batch", "max_seqlen", "max_nheads", "max_headdim", "max_dstate")}
     chunk_sizes = getattr(args, "chunk_sizes", None)
     if any(v is not None for v in sizes.values()) or chunk_sizes:
-        from harness import runtime
-        from harness.fuzz import GPU_BOUNDS
+        from ssdiff import runtime
+        from ssdiff.campaign.fuzz import GPU_BOUNDS
 
         start = GPU_BOUNDS if (args.device or runtime.default_device()).startswith("cuda") else Bounds()
         fields = {k: v for k, v in sizes.items() if v is not None}
@@ -195,7 +196,7 @@ def cmd_fuzz(args) -> int:
     if getattr(args, "no_report", False):
         config.report_dir = None
     if getattr(args, "jobs", 1) > 1:
-        from harness import jobs
+        from ssdiff.campaign import jobs
 
         return jobs.run(args, args.argv[1:], console, Console(stderr=True))
     try:
@@ -306,15 +307,15 @@ def cmd_fuzz(args) -> int:
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,
 # forward only, until the seed divergence (SPEC.md section 2) is found or the time budget is spent.
-# The seed divergence is a known defect (harness/known.py); the demo finds it unaided (--known ignore).
+# The seed divergence is a known defect (harness/registry/known.py); the demo finds it unaided (--known ignore).
 DEMO = {"impl": "mamba_ssm.split_conv1d_combined", "against": "mamba_ssm.split_conv1d_ref", "max_time": 120.0,
         "pass_": "forward", "known": "ignore"}
 
 
 def _add_fuzz_arguments(p, demo: bool = False):
-    from harness.case import ENTRY_POINTS
-    from harness.fuzz import PASSES
-    from harness.oracle import ORACLES
+    from ssdiff.model.case import ENTRY_POINTS
+    from ssdiff.campaign.fuzz import PASSES
+    from ssdiff.truth import ORACLES
 
     if not demo:
         p.add_argument("--impl", required=True, metavar="NAME",
@@ -339,11 +340,11 @@ def _add_fuzz_arguments(p, demo: bool = False):
                    help="autotune configs: tuned (default), an index N (config N %% count of every kernel), "
                         "random (an index drawn per case), sweep (every config, every case)")
     p.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
-                   help="draw each search round from a few compile keys, compiled ahead (harness/pool.py; default: "
+                   help="draw each search round from a few compile keys, compiled ahead (harness/campaign/pool.py; default: "
                         "natively yes, under the interpreter no)")
     p.add_argument("--huge", type=float, default=0.0, metavar="RATE",
                    help="the chance a production key is huge instead: 2**31 elements or more in x or the chunk "
-                        "states, forward chunk_scan cases judged on a slice (harness/huge.py; natively only, "
+                        "states, forward chunk_scan cases judged on a slice (harness/inputs/huge.py; natively only, "
                         "where the device has room; the nightly campaign's)")
     p.add_argument("--isolate", action="store_true",
                    help="run implementations in a child process: abort, segfault, a poisoned CUDA context and "
@@ -352,7 +353,7 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="run the campaign as N processes side by side, each with its own seed and a share of the "
-                        "example budget and compile workers, merged into one output (harness/jobs.py); exit 3 "
+                        "example budget and compile workers, merged into one output (harness/campaign/jobs.py); exit 3 "
                         "when a job died without a divergence found")
     p.add_argument("--no-report", action="store_true", help="do not render the HTML report")
     p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
@@ -377,7 +378,7 @@ def _positive_int(text: str) -> int:
 
 def _sides_for(args, path) -> tuple:
     """--impl/--against, or the sides recorded next to a fuzz finding."""
-    from harness.store import recorded_sides
+    from ssdiff.store import recorded_sides
 
     if args.impl:
         return args.impl, args.against
@@ -392,8 +393,8 @@ def cmd_minimize(args) -> int:
     import time
     from pathlib import Path
 
-    from harness.case import Case
-    from harness.minimize import NotDiverging, minimize
+    from ssdiff.model.case import Case
+    from ssdiff.investigate.minimize import NotDiverging, minimize
 
     path = Path(args.case)
     case = Case.load(path)
@@ -437,9 +438,9 @@ def cmd_replay(args) -> int:
     """Judge a saved case again; compare with the verdict stored next to it. Exit 1 if it diverges."""
     from pathlib import Path
 
-    from harness.case import Case
-    from harness.minimize import replay
-    from harness.store import stored_verdicts
+    from ssdiff.model.case import Case
+    from ssdiff.investigate.minimize import replay
+    from ssdiff.store import stored_verdicts
 
     path = Path(args.case)
     case = Case.load(path)
@@ -467,10 +468,10 @@ def cmd_replay(args) -> int:
 
 
 def known_lines(outcome) -> list:
-    """What the known-defect registry (harness/known.py) says of each diverging side of ``outcome``: the defect
+    """What the known-defect registry (harness/registry/known.py) says of each diverging side of ``outcome``: the defect
     of the installed release that explains the divergence, or the one whose domain the case lies in while the
     divergence is more than that defect accounts for (a finding of its own, as `ssdiff fuzz` would report it)."""
-    from harness import known
+    from ssdiff.registry import known
 
     lines = []
     for side, verdict in outcome.verdicts.items():
@@ -495,10 +496,11 @@ def _config_choice(text: str):
 
 
 def cmd_known(args) -> int:
-    """The known-defect registry (harness/known.py) for the installed releases: one line per defect with its
+    """The known-defect registry (harness/registry/known.py) for the installed releases: one line per defect with its
     status and the command that reproduces it; ``--case ID`` prints that defect's example case as JSON."""
-    from harness import known, runtime
-    from harness.impls import get
+    from ssdiff.registry import known
+    from ssdiff import runtime
+    from ssdiff.sides.registry import get
 
     runtime.configure()
     if args.case:
@@ -521,7 +523,7 @@ def cmd_known(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness import runtime
+    from ssdiff import runtime
 
     parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -582,9 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from harness import runtime
-    from harness.case import CaseError
-    from harness.fuzz import UsageError
+    from ssdiff import runtime
+    from ssdiff.model.case import CaseError
+    from ssdiff.campaign.fuzz import UsageError
 
     runtime.configure()
     parser = build_parser()

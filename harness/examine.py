@@ -24,12 +24,16 @@ from typing import Optional
 
 import torch
 
-from harness import baseline, huge, oracle, runtime, widen
-from harness.case import Case
-from harness.evaluation import Evaluation
-from harness.inputs import Inputs, materialize
-from harness.isolate import InProcessRunner, IsolatedRunner, resolve
-from harness.verdict import FACTOR, RUN_FAILURES, disagreement, failed_run, judge, severity
+from ssdiff.budget import baseline
+from ssdiff.inputs import huge
+from ssdiff import truth as oracle
+from ssdiff import runtime
+from ssdiff.inputs import widen
+from ssdiff.model.case import Case
+from ssdiff.model.evaluation import Evaluation
+from ssdiff.inputs import Inputs, materialize
+from ssdiff.sides.runner import InProcessRunner, IsolatedRunner, resolve
+from ssdiff.verdict.judge import FACTOR, RUN_FAILURES, disagreement, failed_run, judge, severity
 
 EVIDENCE_BYTES = 1 << 30
 # The parts of an examination, each timed to a device synchronization at its end (a GPU runs asynchronously:
@@ -125,7 +129,7 @@ class UsageError(ValueError):
 
 class Examiner:
     """Examines cases for a fixed set of sides on one device. ``isolate``: run the sides in a child process
-    (harness/isolate.py; ``timeout`` seconds per run). ``top``: each tensor verdict also lists the elements of its
+    (harness/sides/runner.py; ``timeout`` seconds per run). ``top``: each tensor verdict also lists the elements of its
     ``top`` largest ratios (`verdict.judge`). ``oracle_evaluations`` / ``baseline_evaluations`` count the
     evidence evaluated (one of each per distinct case while it is kept)."""
 
@@ -176,7 +180,7 @@ class Examiner:
 
     def evidence(self, case: Case, inputs: Optional[Inputs] = None) -> Evidence:
         """The case's inputs, truth and baseline samples: evaluated on first use, then kept. ``inputs``: a huge
-        case's slice (harness/huge.py), whose evidence is kept under ``case``."""
+        case's slice (harness/inputs/huge.py), whose evidence is kept under ``case``."""
         found = self._evidence.get(case)
         if found is not None:
             self._evidence.move_to_end(case)
@@ -220,8 +224,8 @@ class Examiner:
     # ---- cases -------------------------------------------------------------------------------------------
 
     def fit(self, case: Case) -> Optional[Case]:
-        """``case`` with what a side cannot express switched off, or None (harness.localize.fit_case)."""
-        from harness.localize import fit_case
+        """``case`` with what a side cannot express switched off, or None (ssdiff.investigate.localize.fit_case)."""
+        from ssdiff.investigate.localize import fit_case
 
         return fit_case(case, list(self.impls.values()), self.device)
 
@@ -266,7 +270,7 @@ class Examiner:
                        phases=dict(self._phases))
 
     def _examine_huge(self, case: Case, choice, sides: list) -> Outcome:
-        """A huge case (harness/huge.py): every side runs on the whole case, and is judged on its slice; no
+        """A huge case (harness/inputs/huge.py): every side runs on the whole case, and is judged on its slice; no
         stages. Raises runtime.DeviceOutOfMemory where the device has no room for it."""
         start = time.perf_counter()
         self._phases = dict.fromkeys(PHASES, 0.0)
@@ -288,7 +292,7 @@ class Examiner:
                 run = self.runner.run(spec, case, whole, False, index)
                 _raise_if_oom(run)
                 self._phases["kernels"] += run.seconds
-                runs.setdefault(spec, []).append((index, run))     # its outputs at the slice (harness/isolate.py)
+                runs.setdefault(spec, []).append((index, run))     # its outputs at the slice (harness/sides/runner.py)
                 if choice != "sweep" or run.status != "ok":
                     break
                 needed = max([needed] + [n for _, _, n, _ in run.launches])
@@ -346,7 +350,7 @@ class Examiner:
     def first_stage(self, case: Case, side: str, choice="tuned") -> Optional[str]:
         """The first divergent stage of ``side`` on ``case``, when measured from stage intermediates (None
         when it runs out of stages, fails to run, or only an inferred stage is known)."""
-        from harness import localize
+        from ssdiff.investigate import localize
 
         staged = self.examine(case, choice, stages=True, sides=[side]).verdicts[side]
         if staged.status in RUN_FAILURES:

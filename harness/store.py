@@ -7,12 +7,12 @@ A saved run is a directory:
         case.json                the case (replayable: `ssdiff replay`, `ssdiff minimize`)
         verdict.json             every side's verdict tensor by tensor, the pair's disagreement, the localization
         message.txt              the same in words
-        error_maps.json          the verdicts' error maps (harness/report/maps.py)
+        error_maps.json          the verdicts' error maps (harness/verdict/maps.py)
         minimized.json           the minimized case (when minimized)
         minimized-verdict.json   its verdict and how it was reached
-        repro.py                 the standalone reproducer (harness/repro.py)
+        repro.py                 the standalone reproducer (harness/reproduce/repro.py)
     tf32-NNN/                    a float32 divergence under TF32 within budget with exact float32 dots
-                                 (harness/tf32.py): the same files as a divergence folder, not a divergence
+                                 (harness/investigate/tf32.py): the same files as a divergence folder, not a divergence
 
 Records carry ``"format": FORMAT``; records without it are the first format, read the same way. A record
 from a newer format is refused with one line naming both versions.
@@ -69,16 +69,16 @@ def divergence_folder(run_dir, number: int) -> pathlib.Path:
 
 
 def tf32_folder(run_dir, number: int) -> pathlib.Path:
-    """Where divergence NNN goes once TF32 explains it (harness/tf32.py): not read as a divergence."""
+    """Where divergence NNN goes once TF32 explains it (harness/investigate/tf32.py): not read as a divergence."""
     return pathlib.Path(run_dir) / f"tf32-{number:03d}"
 
 
 def write_divergence(folder, case, verdicts: dict, message: str, localization: Optional[dict] = None,
                      staged: Optional[dict] = None, **fields) -> pathlib.Path:
     """case.json, verdict.json, message.txt and error_maps.json of one divergence. ``verdicts``: side ->
-    harness.verdict.Verdict; ``staged``: side -> the verdict with stages from localization (its error maps
+    ssdiff.verdict.judge.Verdict; ``staged``: side -> the verdict with stages from localization (its error maps
     are kept too); ``fields``: more of the record (device, runtime, oracle, autotune, pair ratios, ...)."""
-    from harness.report.maps import error_maps
+    from ssdiff.verdict.maps import error_maps
 
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ ptxas bundled in the triton wheel), under every autotune configuration, in fp32 
 shared memory each needs. Catches what the interpreter cannot: compile errors of the real backend and
 configurations that do not fit in shared memory.
 
-    TRITON_INTERPRET=0 python -m kernels.compile_check [--arch 90] [--Q 256 --P 64 --N 128]
+    TRITON_INTERPRET=0 python -m ssdiff.kernels.compile_check [--arch 90] [--Q 256 --P 64 --N 128]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SMEM_LIMIT = {90: 232448, 80: 166912, 89: 101376}
 
 
 def specs():
-    from kernels.ssd import bmm, chunk_scan, chunk_state, cumsum, state_passing
+    from .ssd import bmm, chunk_scan, chunk_state, cumsum, state_passing
     f32 = "fp32"
     return {  # config name -> (kernel, pointer dtypes ("act" = activation dtype), constexprs)
         "cumsum": (cumsum.ssd_fwd_kernel_cumsum, dict(dt="act", A=f32, dt_bias=f32, dt_out=f32, dA_cs=f32),
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--N", type=int, default=128)
     ap.add_argument("--H", type=int, default=64)
     args = ap.parse_args(argv)
-    from kernels.ssd import configs
+    from .ssd import configs
     target = GPUTarget("cuda", args.arch, 32)
     limit = SMEM_LIMIT.get(args.arch, 232448)
     dims = dict(Q=args.Q, P=args.P, N=args.N, H=args.H, PN=args.P * args.N)

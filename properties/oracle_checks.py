@@ -7,10 +7,10 @@ import dataclasses
 
 import torch
 
-from harness.case import Case
-from harness.inputs import materialize
-from harness.oracle import ORACLES, call, evaluate
-from harness.selfcheck import ATOL, RTOL, excess, relative
+from ssdiff.model.case import Case
+from ssdiff.inputs import materialize
+from ssdiff.truth import ORACLES, call, evaluate
+from ssdiff.tools.selfcheck import ATOL, RTOL, excess, relative
 
 # Outputs and stages: rtol 1e-10 (float64 orders agree to ~1e-15). Gradients of A and dt_bias are sums over
 # every token of terms that cancel (decay-free heads with dt > 20 give dL/dA ~ 20 from terms ~ 1e3), so they

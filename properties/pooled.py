@@ -3,7 +3,7 @@ keys.
 
 Natively every new shape compiles every kernel it launches (seconds each, against a tenth of a second to judge a
 case), so that 200 freely drawn examples a property would spend the run compiling. Under such a profile a property
-draws each case from one of KEYS compile keys (harness/pool.py: a key fixes what the kernels specialize on; seqlen
+draws each case from one of KEYS compile keys (harness/campaign/pool.py: a key fixes what the kernels specialize on; seqlen
 within its class, the sequence layout, the values and the features a key does not pin vary), the keys drawn once
 per run for each (label, dtype, pass) from the run's seed: SSDIFF_POOL_SEED, else a fresh one every run, so that
 runs meet other keys. A failing example prints its whole case, which replays without its key.
@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from harness import runtime
-from harness.pool import Mix, Pool
-from harness.strategies import Bounds, cases
+from ssdiff import runtime
+from ssdiff.campaign.pool import Mix, Pool
+from ssdiff.model.strategies import Bounds, cases
 
 KEYS = 3
 SEED = int(os.environ.get("SSDIFF_POOL_SEED") or random.SystemRandom().randrange(2 ** 31))
@@ -46,7 +46,7 @@ def keys(label: str, entries: Sequence[str], dtype: str, backward: Optional[bool
          fit: Optional[Callable] = None, seed: Optional[int] = None) -> tuple:
     """The run's KEYS small keys for ``label`` (an implementation, or what a property's cases are for) in ``dtype``
     and pass ``backward`` (None: both), their representatives fitted by ``fit(case) -> Case or None``
-    (harness/pool.py `Pool`). The same for every example of the run."""
+    (harness/campaign/pool.py `Pool`). The same for every example of the run."""
     seed = SEED if seed is None else seed
     ident = (label, tuple(entries), dtype, backward, bounds, seed)
     if ident not in _keys:
@@ -66,7 +66,7 @@ def cases_here(label: str, entries: Sequence[str], dtypes: Sequence[str], backwa
                fit: Optional[Callable] = None):
     """A property's cases of one of ``entries`` in one of ``dtypes``: from the run's keys for ``label`` where
     properties draw from compile keys (`pooled`: `cases_from_keys`, ``fit`` as for `keys`), otherwise drawn
-    freely (harness.strategies.cases). The one way a property that launches kernels at the profile's example count draws its cases."""
+    freely (ssdiff.model.strategies.cases). The one way a property that launches kernels at the profile's example count draws its cases."""
     if pooled():
         return cases_from_keys(label, entries, dtypes, backward, bounds, fit)
     return st.sampled_from(tuple(entries)).flatmap(

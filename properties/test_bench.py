@@ -1,4 +1,4 @@
-"""harness/bench.py: a campaign's row holds its throughput and what its cases used of their budgets, and a
+"""harness/tools/bench.py: a campaign's row holds its throughput and what its cases used of their budgets, and a
 ``module:function`` implementation keeps its colon (NAME[:PASS])."""
 
 from __future__ import annotations
@@ -7,25 +7,25 @@ import json
 
 import pytest
 
-from harness import bench
+from ssdiff.tools import bench
 
 
 def test_a_target_names_its_pass_after_the_last_colon_only_when_it_is_one():
     assert bench._target("mamba_ssm.chunk_scan_combined") == ("mamba_ssm.chunk_scan_combined", "mixed")
     assert bench._target("fla.chunk_simple_gla:forward") == ("fla.chunk_simple_gla", "forward")
-    assert bench._target("harness.doubles:healthy") == ("harness.doubles:healthy", "mixed")
-    assert bench._target("harness.doubles:healthy:backward") == ("harness.doubles:healthy", "backward")
+    assert bench._target("ssdiff.sides.doubles:healthy") == ("ssdiff.sides.doubles:healthy", "mixed")
+    assert bench._target("ssdiff.sides.doubles:healthy:backward") == ("ssdiff.sides.doubles:healthy", "backward")
 
 
 def test_a_rows_required_factors_are_its_campaigns_own(tmp_path, device, capsys):
     rows = tmp_path / "rows.json"
-    assert bench.main(["--impl", "harness.doubles:healthy:mixed", "--dtype", "float32", "--budget", "4",
+    assert bench.main(["--impl", "ssdiff.sides.doubles:healthy:mixed", "--dtype", "float32", "--budget", "4",
                        "--cold-budget", "2", "--cache-root", str(tmp_path), "--json", str(rows), "--",
                        "--device", device]) == 0
     warm = json.load(open(rows, encoding="utf-8"))[0]["warm"]
-    summary = json.load(open(tmp_path / "harness.doubles_healthy" / "warm" / "summary.json", encoding="utf-8"))
+    summary = json.load(open(tmp_path / "ssdiff.sides.doubles_healthy" / "warm" / "summary.json", encoding="utf-8"))
     assert warm["judged"] == summary["throughput"]["judged"] > 0
-    assert warm["required_factor"] == {"float32": summary["required_factor_by_side"]["harness.doubles:healthy float32"]}
+    assert warm["required_factor"] == {"float32": summary["required_factor_by_side"]["ssdiff.sides.doubles:healthy float32"]}
     groups = warm["required_factor"]["float32"]
     assert groups["outputs"]["verdicts"] >= warm["judged"]
     # the largest required factor is the largest ratio at FACTOR = 4 (no stages are judged in a campaign)
@@ -42,11 +42,11 @@ def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_
     """A campaign that diverges leaves each divergent case in its row, whole: the case.json, which replays."""
     import shutil
 
-    from harness.case import Case
-    from harness.minimize import replay
+    from ssdiff.model.case import Case
+    from ssdiff.investigate.minimize import replay
 
     rows = tmp_path / "rows.json"
-    assert bench.main(["--impl", "harness.doubles:group_bug:forward", "--dtype", "float32", "--budget", "5",
+    assert bench.main(["--impl", "ssdiff.sides.doubles:group_bug:forward", "--dtype", "float32", "--budget", "5",
                        "--cold-budget", "2", "--cache-root", str(tmp_path / "c"), "--json", str(rows), "--",
                        "--device", device]) == 0
     shutil.rmtree(tmp_path / "c")
@@ -55,12 +55,12 @@ def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_
     for data in warm["divergent_cases"]:
         case = Case.from_dict(data)
         assert case.ngroups > 1          # the planted bug reads another group's B
-        assert replay(case, "harness.doubles:group_bug", device=device).diverged, case.describe()
+        assert replay(case, "ssdiff.sides.doubles:group_bug", device=device).diverged, case.describe()
 
 
 @pytest.mark.parametrize("flag", ["--budget", "--cold-budget"])
 def test_a_budget_that_is_not_positive_is_refused_by_name(flag, capsys):
     with pytest.raises(SystemExit) as stopped:
-        bench.main(["--impl", "harness.doubles:healthy", flag, "0"])
+        bench.main(["--impl", "ssdiff.sides.doubles:healthy", flag, "0"])
     assert stopped.value.code == 2
     assert f"{flag} must be a positive number of seconds, got 0" in capsys.readouterr().err

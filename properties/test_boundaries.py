@@ -1,7 +1,7 @@
-"""Block-size boundaries (harness/tiling.py) and the compile pool (harness/pool.py): the search crosses the block
+"""Block-size boundaries (harness/sides/tiling.py) and the compile pool (harness/campaign/pool.py): the search crosses the block
 sizes of the configs that run, and natively draws every round from a few compile keys.
 
-The planted bug (harness.doubles:tiling_bug) adds the D skip with an autotuned Triton kernel whose grid assumes
+The planted bug (ssdiff.sides.doubles:tiling_bug) adds the D skip with an autotuned Triton kernel whose grid assumes
 64-wide tiles: right with its first config (BLOCK_P = 64), wrong with the second (32) once headdim > 32 —
 a size the CPU bounds (headdim <= 8) never reach but for the boundary draws.
 """
@@ -11,15 +11,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import doubles, tiling
-from harness.case import Case
-from harness.examine import Examiner
-from harness.fuzz import FuzzConfig, Fuzzer
-from harness.impls import get
-from harness.pool import FLAGS, KINDS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
-from harness.strategies import Bounds, cases, maybe_boundary
+from ssdiff.sides import doubles
+from ssdiff.sides import tiling
+from ssdiff.model.case import Case
+from ssdiff.examine import Examiner
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
+from ssdiff.sides.registry import get
+from ssdiff.campaign.pool import FLAGS, KINDS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
+from ssdiff.model.strategies import Bounds, cases, maybe_boundary
 
-TILING_BUG = "harness.doubles:tiling_bug"
+TILING_BUG = "ssdiff.sides.doubles:tiling_bug"
 
 
 def test_boundaries_are_read_from_the_configs_and_the_dimension_their_blocks_tile(device):

@@ -13,7 +13,7 @@ What this file checks:
   short fuzz campaign and localized to the decoded tokens: the failing outputs are y and/or the final state, and
   a group bug sits on the misgrouped heads.
 
-Divergence has one definition: harness/verdict.py's `judge` through harness.examine.Examiner.
+Divergence has one definition: harness/verdict/judge.py's `judge` through ssdiff.examine.Examiner.
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ import pytest
 import torch
 from hypothesis import assume, example, given, note
 
-from harness import runtime
+from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness import known  # noqa: E402
-from harness.case import Case, CaseError, Regime  # noqa: E402
-from harness.examine import Examiner  # noqa: E402
-from harness.fuzz import FuzzConfig, Fuzzer  # noqa: E402
-from harness.impls import get  # noqa: E402
-from harness.inputs import TORCH_DTYPES, materialize  # noqa: E402
-from harness.localize import fit_case  # noqa: E402
-from harness.oracle import evaluate, recurrent  # noqa: E402
-from harness.strategies import Bounds, cases  # noqa: E402
-from harness.verdict import UNIT_ROUNDOFF  # noqa: E402
+from ssdiff.registry import known  # noqa: E402
+from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
+from ssdiff.examine import Examiner  # noqa: E402
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
+from ssdiff.sides.registry import get  # noqa: E402
+from ssdiff.inputs import TORCH_DTYPES, materialize  # noqa: E402
+from ssdiff.investigate.localize import fit_case  # noqa: E402
+from ssdiff.truth import evaluate, recurrent  # noqa: E402
+from ssdiff.model.strategies import Bounds, cases  # noqa: E402
+from ssdiff.verdict.judge import UNIT_ROUNDOFF  # noqa: E402
 from properties import pooled  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
 from properties.test_upstream import ONE_CONFIG  # noqa: E402
@@ -133,7 +133,7 @@ def assert_within_budget(spec: str, case: Case, device: str):
 @example(Case(entry="decode", batch=2, seqlen=6, nheads=6, ngroups=3, headdim=5, dstate=7, decode_steps=4, D="none",
               has_z=True, has_dt_bias=False, state_batch_indices=True, regime=Regime(decay="mild", scale=4.0)))
 def test_the_float32_step_double_is_within_budget(device, case):
-    assert_within_budget("harness.doubles:step", case, device)
+    assert_within_budget("ssdiff.sides.doubles:step", case, device)
 
 
 def step_kernel_fit(case: Case, device: str) -> Optional[Case]:
@@ -179,7 +179,7 @@ def failing_outputs(finding, spec: str) -> set:
 
 
 def test_a_state_not_decayed_before_the_update_is_found_in_the_decoded_tokens(tmp_path, device):
-    spec = "harness.doubles:step_no_decay_bug"
+    spec = "ssdiff.sides.doubles:step_no_decay_bug"
     finding = campaign(spec, tmp_path, device)
     assert failing_outputs(finding, spec) <= {"y", "final_states"} and failing_outputs(finding, spec)
     side = finding.localization["per_side"][spec]
@@ -193,7 +193,7 @@ def test_a_state_not_decayed_before_the_update_is_found_in_the_decoded_tokens(tm
 
 
 def test_a_group_read_by_the_wrong_heads_is_found_on_the_misgrouped_heads(tmp_path, device):
-    spec = "harness.doubles:step_group_bug"
+    spec = "ssdiff.sides.doubles:step_group_bug"
     finding = campaign(spec, tmp_path, device, max_examples=200)
     case = finding.outcome.case
     assert failing_outputs(finding, spec) <= {"y", "final_states"} and failing_outputs(finding, spec)
@@ -211,9 +211,9 @@ def test_a_planted_step_bug_minimizes_to_a_small_decode_case_whose_repro_diverge
     import subprocess
     import sys
 
-    from harness.minimize import minimize_outcome
+    from ssdiff.investigate.minimize import minimize_outcome
 
-    spec = "harness.doubles:step_no_decay_bug"
+    spec = "ssdiff.sides.doubles:step_no_decay_bug"
     start = Case(entry="decode", batch=2, seqlen=7, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
                  D="channel", has_z=True, state_batch_indices=True, state_dtype="float16")
     with Examiner([spec], device) as examiner:

@@ -4,10 +4,10 @@ with nothing new, and everything that names features (capabilities, stages) name
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.features import FEATURES, KEYS, present, switch_off, without
-from harness.impls import all_implementations
-from harness.oracle.result import STAGE_ORDER
-from harness.strategies import cases
+from ssdiff.model.features import FEATURES, KEYS, present, switch_off, without
+from ssdiff.sides.registry import all_implementations
+from ssdiff.model.stages import STAGE_ORDER
+from ssdiff.model.strategies import cases
 
 ANY_CASE = cases(dtypes=("float32", "float16", "bfloat16"))
 

@@ -1,8 +1,8 @@
 """FINDINGS.md and reports/findings/: every repro fails on a release the registry says is affected and passes on
-the release that fixed it, and FINDINGS.md is what `python -m harness.findings --render` writes from the
-registry and reports/findings/ (harness/findings.py).
+the release that fixed it, and FINDINGS.md is what `python -m ssdiff.registry.findings --render` writes from the
+registry and reports/findings/ (harness/registry/findings.py).
 
-Each repro runs as a stranger would run it (harness.repro.run): a child process with nothing of this checkout on
+Each repro runs as a stranger would run it (ssdiff.reproduce.repro.run): a child process with nothing of this checkout on
 its path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
 .venv/mamba-releases/<version>/; see properties/test_upstream.py::test_release_runs_its_properties).
 """
@@ -14,12 +14,13 @@ import pytest
 import torch
 from packaging.version import Version
 
-from harness import findings, repro
-from harness.known import BY_ID, DEFECTS, installed_version
+from ssdiff.registry import findings
+from ssdiff.reproduce import repro
+from ssdiff.registry.known import BY_ID, DEFECTS, installed_version
 
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
-# Implementations harness/repro.py writes through ssdiff's registry (no standalone writer for them yet): their
+# Implementations harness/reproduce/repro.py writes through ssdiff's registry (no standalone writer for them yet): their
 # repro.py needs ssdiff installed.
 THROUGH_THE_REGISTRY = ("vllm.",)
 
@@ -49,10 +50,10 @@ def _repro_params() -> list:
 
 
 def _ssdiff_installed(tmp_path) -> bool:
-    """Whether a stranger's environment (harness.repro.run: nothing of this checkout on the path) imports ssdiff:
+    """Whether a stranger's environment (ssdiff.reproduce.repro.run: nothing of this checkout on the path) imports ssdiff:
     an installed ssdiff (``pip install -e .``, as ./dev setup does) is what a repro through the registry needs."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import harness.impls\n")
+    probe.write_text("import ssdiff.sides.registry\n")
     return repro.run(probe, timeout=120).returncode == 0
 
 
@@ -61,7 +62,7 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
                                                                          tmp_path):
     defect = BY_ID[defect_id]
     found = findings.read_finding(defect_id)
-    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings`"
+    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m ssdiff.registry.findings`"
     first, fixed = defect.affected
     if defect.affects(version):
         expected = 1
@@ -95,21 +96,21 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
 
 def test_findings_md_is_what_the_registry_and_reports_render():
     diff = findings.stale()
-    assert diff is None, f"FINDINGS.md is stale: run `python -m harness.findings --render`\n{diff[:4000]}"
+    assert diff is None, f"FINDINGS.md is stale: run `python -m ssdiff.registry.findings --render`\n{diff[:4000]}"
 
 
 @pytest.mark.parametrize("defect_id", [d.id for d in FINDINGS])
 def test_each_finding_is_computed_from_the_registrys_example_and_still_matches_it(defect_id):
     defect = BY_ID[defect_id]
     found = findings.read_finding(defect_id)
-    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m harness.findings --only {defect_id}`"
+    assert found is not None, f"no reports/findings/{defect_id}/: run `python -m ssdiff.registry.findings --only {defect_id}`"
     assert found["example"] == defect.example.to_dict(), (
         f"the registry's example changed since reports/findings/{defect_id}/ was computed: run "
-        f"`python -m harness.findings --only {defect_id}`")
+        f"`python -m ssdiff.registry.findings --only {defect_id}`")
     assert defect.applies(found["case"]), "the minimized case is no longer one the registry's predicate names"
     if found["has_repro"]:
         text = (findings.finding_dir(defect_id) / findings.REPRO_FILE).read_text()
-        needs_ssdiff = bool(re.search(r"^\s*(from|import) harness", text, re.M))
+        needs_ssdiff = bool(re.search(r"^\s*(from|import) (ssdiff|harness)", text, re.M))
         assert needs_ssdiff == found["implementation"].startswith(THROUGH_THE_REGISTRY), \
             "repro.py must not need ssdiff (but for the implementations it reaches through ssdiff's registry)"
         assert found["case"].describe() in text
@@ -119,7 +120,7 @@ def test_render_names_a_finding_not_computed_and_refuses_one_without_a_draft(tmp
     text = findings.render(root=tmp_path)
     for defect in FINDINGS:
         assert f"## {defect.id}\n" in text
-    assert text.count("Not computed yet: run `python -m harness.findings`.") == len(FINDINGS)
+    assert text.count("Not computed yet: run `python -m ssdiff.registry.findings`.") == len(FINDINGS)
     monkeypatch.delitem(findings.DRAFTS, FINDINGS[0].id)
     with pytest.raises(KeyError, match=FINDINGS[0].id):
         findings.render(root=tmp_path)

@@ -1,7 +1,7 @@
 """`ssdiff fuzz` finds planted bugs and localizes them; crashing, hanging and raising implementations become
 verdicts under --isolate and the run goes on; the exit status says what happened.
 
-The implementations are the test doubles of harness/doubles.py (importable by the isolated child process):
+The implementations are the test doubles of harness/sides/doubles.py (importable by the isolated child process):
 a toy chunked kernel with a planted bug, the fused mixer with the seed-000 norm bug, and misbehaving ones.
 """
 
@@ -16,13 +16,16 @@ import time
 
 import pytest
 
-from harness import localize, runtime, store, tf32
-from harness.case import Case
-from harness.cli import main
-from harness.fuzz import FuzzConfig, Fuzzer, UsageError
-from harness.minimize import replay
-from harness.pool import Mix
-from harness.verdict import Verdict
+from ssdiff.investigate import localize
+from ssdiff import runtime
+from ssdiff import store
+from ssdiff.investigate import tf32
+from ssdiff.model.case import Case
+from ssdiff.cli import main
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
+from ssdiff.investigate.minimize import replay
+from ssdiff.campaign.pool import Mix
+from ssdiff.verdict.judge import Verdict
 from properties.test_upstream import ONE_CONFIG
 
 
@@ -43,7 +46,7 @@ def only_finding(report):
 # ---- planted bugs: found, and localized to the right stage, coordinates and features --------------------
 
 def test_group_index_bug_is_found_in_chunk_states_on_the_misgrouped_heads(tmp_path, device):
-    spec = "harness.doubles:group_bug"
+    spec = "ssdiff.sides.doubles:group_bug"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",)))
     case = finding.outcome.case
     side = finding.localization["per_side"][spec]
@@ -58,7 +61,7 @@ def test_group_index_bug_is_found_in_chunk_states_on_the_misgrouped_heads(tmp_pa
 
 
 def test_state_not_reset_at_boundaries_is_found_in_passed_states_after_a_boundary(tmp_path, device):
-    spec = "harness.doubles:reset_bug"
+    spec = "ssdiff.sides.doubles:reset_bug"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",)))
     side = finding.localization["per_side"][spec]
     # What the planted bug implies whichever case the search draws (the draws differ by device: GPU bounds):
@@ -73,7 +76,7 @@ def test_state_not_reset_at_boundaries_is_found_in_passed_states_after_a_boundar
 
 
 def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path, device):
-    spec = "harness.doubles:mask_bug"
+    spec = "ssdiff.sides.doubles:mask_bug"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",)))
     side = finding.localization["per_side"][spec]
     assert side["stages"]["first"] == "scan"
@@ -86,7 +89,7 @@ def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path, device):
 
 
 def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, device, monkeypatch):
-    spec = "harness.doubles:mask_bug"
+    spec = "ssdiff.sides.doubles:mask_bug"
     searching = []
     real = Fuzzer._localize
     monkeypatch.setattr(Fuzzer, "_localize", lambda self, f: (searching.append(self.report.search_s), real(self, f)))
@@ -99,7 +102,7 @@ def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, de
 
 
 def test_a_stop_request_ends_the_search_after_the_case_being_judged(tmp_path, device):
-    config = FuzzConfig(impl="harness.doubles:healthy", out_dir=str(tmp_path), device=device, report_dir=None,
+    config = FuzzConfig(impl="ssdiff.sides.doubles:healthy", out_dir=str(tmp_path), device=device, report_dir=None,
                         max_time=None, max_examples=50, seed=1)
     fuzzer = Fuzzer(config, progress=lambda state: state["tried"] >= 3 and fuzzer.request_stop("interrupted"))
     report = fuzzer.run()
@@ -109,7 +112,7 @@ def test_a_stop_request_ends_the_search_after_the_case_being_judged(tmp_path, de
 
 
 def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path, device):
-    spec = "harness.doubles:mask_bug"
+    spec = "ssdiff.sides.doubles:mask_bug"
     report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",))
     finding = only_finding(report)
     folder = finding.path
@@ -128,9 +131,9 @@ def test_a_divergence_is_written_as_case_and_verdict_files_that_replay(tmp_path,
 
 
 def test_the_summary_says_where_a_judged_cases_time_went(tmp_path, device):
-    from harness.examine import PHASES
+    from ssdiff.examine import PHASES
 
-    report = fuzz("harness.doubles:healthy", tmp_path, device, max_examples=6, pass_="backward", dtypes=("float32",))
+    report = fuzz("ssdiff.sides.doubles:healthy", tmp_path, device, max_examples=6, pass_="backward", dtypes=("float32",))
     summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
     per_case = summary["throughput"]["per_case"]["other"]
     assert per_case["cases"] == report.tried == 6
@@ -143,7 +146,7 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
     """Localization and minimization re-examine cases (with stages, with features switched off, as shrink
     candidates); each distinct case still gets one oracle evaluation at its inputs and one baseline evaluation.
     The campaign also writes what `ssdiff fuzz` writes: the finding minimized, with its repro.py."""
-    from harness import examine
+    from ssdiff import examine
 
     made, truths, baselines = {}, {}, {}
     materialize, evaluate, evaluate_samples = examine.materialize, examine.widen.evaluate, examine.baseline.evaluate_samples
@@ -164,7 +167,7 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
     monkeypatch.setattr(examine, "materialize", counted_materialize)
     monkeypatch.setattr(examine.widen, "evaluate", counted_evaluate)
     monkeypatch.setattr(examine.baseline, "evaluate_samples", counted_samples)
-    report = fuzz("harness.doubles:mask_bug", tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",),
+    report = fuzz("ssdiff.sides.doubles:mask_bug", tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",),
                   minimize=True, minimize_runs=40)
     finding = only_finding(report)
     assert finding.minimized is not None, finding.minimize_problem
@@ -174,7 +177,7 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
 
 
 def test_the_oracle_is_said_to_agree_with_the_correct_side_and_the_seed_bug_is_localized(tmp_path, device):
-    good, bad = "harness.doubles:mixer", "harness.doubles:mixer_norm_bug"
+    good, bad = "ssdiff.sides.doubles:mixer", "ssdiff.sides.doubles:mixer_norm_bug"
     finding = only_finding(fuzz(good, tmp_path, device, against=bad, max_examples=200, pass_="forward",
                                 dtypes=("float32",)))
     loc = finding.localization
@@ -204,7 +207,7 @@ def test_a_known_defect_is_reported_as_known_and_the_campaign_goes_on(tmp_path, 
     """mamba_split_conv1d_scan_ref's norm over the whole dim (#647) is a registry record: with --known report its
     cases are judged, counted under the defect's id with the first example, and the search goes on; with
     --known skip they are left out with the reason."""
-    from harness import known
+    from ssdiff.registry import known
 
     good, bad = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
     defect = known.BY_ID["mamba-ref-norm-over-whole-dim"]
@@ -223,7 +226,7 @@ def test_a_known_defect_is_reported_as_known_and_the_campaign_goes_on(tmp_path, 
 
 
 def test_a_bug_in_one_autotune_config_is_pinned_to_it(tmp_path, device):
-    spec = "harness.doubles:config_bug"
+    spec = "ssdiff.sides.doubles:config_bug"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=40, autotune="random", seed=1))
     configs = finding.localization["per_side"][spec]["configs"]
     assert configs["diverging"] == [1] and configs["within_budget"] == [0]
@@ -240,7 +243,7 @@ def test_without_exposed_stages_the_stage_is_inferred_from_the_trigger():
 
 
 def test_healthy_implementations_raise_no_alarm(tmp_path, device):
-    report = fuzz("harness.doubles:healthy", tmp_path / "toy", device, max_examples=25, pass_="mixed",
+    report = fuzz("ssdiff.sides.doubles:healthy", tmp_path / "toy", device, max_examples=25, pass_="mixed",
                   dtypes=("float32", "float16"))
     assert report.exit_code == 0 and report.tried == 25
     assert max(w["ratio"] for w in report.worst.values()) < 1.0
@@ -250,11 +253,11 @@ def test_healthy_implementations_raise_no_alarm(tmp_path, device):
 
 
 def test_the_summary_holds_the_required_factors_calibration_measures(tmp_path, device):
-    """summary.json's required_factor_by_side is what harness.calibrate collects from the same campaign's cases, per
+    """summary.json's required_factor_by_side is what ssdiff.tools.calibrate collects from the same campaign's cases, per
     side and dtype: a fuzz campaign doubles as a calibration run (one budget for both on a GPU)."""
-    from harness.calibrate import Row
+    from ssdiff.tools.calibrate import Row
 
-    spec = "harness.doubles:healthy"
+    spec = "ssdiff.sides.doubles:healthy"
     rows = {dtype: Row(spec, device, dtype) for dtype in ("float32", "float16")}
     config = FuzzConfig(impl=spec, out_dir=str(tmp_path), device=device, report_dir=None, max_time=None, seed=4,
                         minimize=False, autotune=ONE_CONFIG, max_examples=12, pass_="mixed",
@@ -280,7 +283,7 @@ def test_the_summary_holds_the_required_factors_calibration_measures(tmp_path, d
 
 @pytest.mark.parametrize("name, status", [("aborts", "crash"), ("hangs", "hang"), ("raises", "error")])
 def test_crash_hang_and_error_are_verdicts_under_isolate(name, status, tmp_path, device):
-    spec = f"harness.doubles:{name}"
+    spec = f"ssdiff.sides.doubles:{name}"
     report = fuzz(spec, tmp_path, device, max_examples=3, isolate=True, timeout=3.0, localize=(status == "error"))
     finding = only_finding(report)
     verdict = finding.outcome.verdicts[spec]
@@ -294,7 +297,7 @@ def test_crash_hang_and_error_are_verdicts_under_isolate(name, status, tmp_path,
 
 
 def test_the_run_goes_on_after_a_crash(tmp_path, device):
-    spec = "harness.doubles:aborts_with_groups"
+    spec = "ssdiff.sides.doubles:aborts_with_groups"
     report = fuzz(spec, tmp_path, device, max_examples=10, isolate=True, timeout=30.0, keep_going=True, localize=False,
                   pass_="forward", dtypes=("float32",), seed=2)
     assert report.tried == 10 and report.stopped.startswith("example budget")
@@ -306,7 +309,7 @@ def test_the_run_goes_on_after_a_crash(tmp_path, device):
 
 @pytest.mark.parametrize("isolate", [False, True])
 def test_a_side_out_of_device_memory_is_skipped_and_counted_not_judged(isolate, tmp_path, device):
-    spec = "harness.doubles:out_of_memory_with_groups"
+    spec = "ssdiff.sides.doubles:out_of_memory_with_groups"
     report = fuzz(spec, tmp_path, device, max_examples=12, isolate=isolate, timeout=60.0, keep_going=True,
                   localize=False, pass_="forward", dtypes=("float32",), seed=2)
     reason = "out of device memory in double.oom_with_groups"
@@ -316,7 +319,7 @@ def test_a_side_out_of_device_memory_is_skipped_and_counted_not_judged(isolate, 
 
 
 def test_the_command_line_says_how_many_cases_went_unjudged_for_want_of_device_memory(tmp_path, capsys, device):
-    assert main(["fuzz", "--impl", "harness.doubles:out_of_memory_with_groups", "--max-examples", "12", "--seed",
+    assert main(["fuzz", "--impl", "ssdiff.sides.doubles:out_of_memory_with_groups", "--max-examples", "12", "--seed",
                  "2", "--pass", "forward", "--dtype", "float32", "--keep-going", "--no-localize", "--device", device,
                  "--out", str(tmp_path / "run"), "--no-report"]) == 0
     said = capsys.readouterr().err
@@ -329,17 +332,17 @@ def test_the_command_line_says_how_many_cases_went_unjudged_for_want_of_device_m
 def test_cli_exit_status_and_output(tmp_path, monkeypatch, capsys, device):
     monkeypatch.setenv("SSDIFF_REPORTS", str(tmp_path / "reports"))
     clean = tmp_path / "clean"
-    assert main(["fuzz", "--impl", "harness.doubles:healthy", "--max-examples", "4", "--seed", "1",
+    assert main(["fuzz", "--impl", "ssdiff.sides.doubles:healthy", "--max-examples", "4", "--seed", "1",
                  "--device", device, "--out", str(clean)]) == 0
     assert json.load(open(clean / "summary.json"))["cases_tried"] == 4
     found = tmp_path / "found"
-    assert main(["fuzz", "--impl", "harness.doubles:mask_bug", "--max-examples", "300", "--pass", "forward",
+    assert main(["fuzz", "--impl", "ssdiff.sides.doubles:mask_bug", "--max-examples", "300", "--pass", "forward",
                  "--dtype", "float32", "--seed", "4", "--device", device, "--out", str(found)]) == 1
     out = capsys.readouterr().out
     assert "divergence 1" in out and "first divergent stage: scan" in out and str(found) in out
     assert (found / "divergence-001" / "case.json").is_file() and (found / "divergence-001" / "verdict.json").is_file()
     assert main(["fuzz", "--impl", "no.such.impl", "--max-examples", "1"]) == 2
-    assert main(["fuzz", "--impl", "harness.doubles:healthy", "--dtype", "float64", "--max-examples", "1"]) == 2
+    assert main(["fuzz", "--impl", "ssdiff.sides.doubles:healthy", "--dtype", "float64", "--max-examples", "1"]) == 2
     with pytest.raises(SystemExit) as exc:
         main(["fuzz", "--max-examples", "1"])
     assert exc.value.code == 2
@@ -389,7 +392,7 @@ def test_a_campaigns_float32_divergence_under_tf32_is_replayed_and_reported_apar
     """With keep_going, each float32 finding under TF32 is replayed with exact float32 dots after the search
     (here a planted bug, the replay faked): within budget there it is TF32's loss, moved out of the findings into
     summary.json's tf32_explained (exit 0, not localized); otherwise the finding stands and its message says so."""
-    spec = "harness.doubles:mask_bug"
+    spec = "ssdiff.sides.doubles:mask_bug"
     replays, localized = [], []
     monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
     monkeypatch.setattr(tf32, "replay", lambda *args, **kw: (replays.append((args, kw)),
@@ -426,7 +429,7 @@ def test_a_float32_divergence_tf32_explains_does_not_end_the_search(tmp_path, de
     replay, faked here, within budget) is reported apart and the search goes on."""
     monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
     monkeypatch.setattr(tf32, "replay", lambda *args, **kw: "within budget")
-    report = fuzz("harness.doubles:mask_bug", tmp_path, device, max_examples=60, pass_="forward",
+    report = fuzz("ssdiff.sides.doubles:mask_bug", tmp_path, device, max_examples=60, pass_="forward",
                   dtypes=("float32",))
     assert report.tf32_explained and report.exit_code == 0 and report.stopped != "divergence found"
     first = report.tf32_explained[0]
@@ -440,7 +443,7 @@ def test_a_run_that_failed_is_not_replayed_with_exact_float32_dots(tmp_path, dev
     monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
     replays = []
     monkeypatch.setattr(tf32, "replay", lambda *args, **kw: replays.append(args))
-    spec = "harness.doubles:raises"
+    spec = "ssdiff.sides.doubles:raises"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=3, pass_="forward", dtypes=("float32",),
                                 localize=False))
     assert finding.outcome.verdicts[spec].status == "error" and finding.outcome.case.dtype == "float32"
@@ -449,9 +452,9 @@ def test_a_run_that_failed_is_not_replayed_with_exact_float32_dots(tmp_path, dev
 
 def test_usage_errors_name_the_problem():
     with pytest.raises(UsageError, match="share no entry point"):
-        Fuzzer(FuzzConfig(impl="harness.doubles:healthy", against="harness.doubles:mixer", report_dir=None))
+        Fuzzer(FuzzConfig(impl="ssdiff.sides.doubles:healthy", against="ssdiff.sides.doubles:mixer", report_dir=None))
     with pytest.raises(UsageError, match="budget"):
-        Fuzzer(FuzzConfig(impl="harness.doubles:healthy", max_time=None, report_dir=None))
+        Fuzzer(FuzzConfig(impl="ssdiff.sides.doubles:healthy", max_time=None, report_dir=None))
 
 
 def test_a_tuned_case_runs_config_0_while_its_key_is_compiling(tmp_path, device):
@@ -581,7 +584,7 @@ def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
     """Natively the workers are given the keys of the next COMPILE_AHEAD_ROUNDS rotations before the search starts,
     and after each rotation the one then planned that far ahead: a key arriving at round r was queued by round
     r - COMPILE_AHEAD_ROUNDS, and none twice."""
-    from harness.fuzz import COMPILE_AHEAD_ROUNDS
+    from ssdiff.campaign.fuzz import COMPILE_AHEAD_ROUNDS
 
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=None,
                                max_time=60, pool=True, compile_ahead=False, autotune=0, pass_="forward",
@@ -626,7 +629,7 @@ def test_each_compile_key_gets_its_share_of_a_rounds_cases(tmp_path, device):
     """A pooled round is one search per key, so each key gets an equal share of the round's examples, in the
     targeted round too, where the small keys' cases score higher (a search that picks each case's key gives the
     keys unequal shares); a huge key gets HUGE_CASES_PERCENT."""
-    from harness.fuzz import HUGE_CASES_PERCENT, ROUND_EXAMPLES, at_production_shape, round_shares
+    from ssdiff.campaign.fuzz import HUGE_CASES_PERCENT, ROUND_EXAMPLES, at_production_shape, round_shares
 
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=210,
                                pool=True, compile_ahead=False, autotune=0, pass_="mixed", dtypes=("float32",),

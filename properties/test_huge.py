@@ -1,18 +1,18 @@
-"""Huge cases (harness/huge.py): past 2**31 elements a case is judged on a slice of the last batch row and the
+"""Huge cases (harness/inputs/huge.py): past 2**31 elements a case is judged on a slice of the last batch row and the
 first and last heads. The threshold is lowered here so that small cases take that path on any device."""
 
 import pytest
 import torch
 
-from harness import huge
-from harness.case import Case, Regime
-from harness.examine import Examiner
-from harness.fuzz import FuzzConfig, Fuzzer, UsageError
-from harness.inputs import materialize
-from harness.oracle import evaluate
-from harness.pool import Mix, Pool
-from harness.strategies import Bounds
-from harness.runtime import DeviceOutOfMemory
+from ssdiff.inputs import huge
+from ssdiff.model.case import Case, Regime
+from ssdiff.examine import Examiner
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
+from ssdiff.inputs import materialize
+from ssdiff.truth import evaluate
+from ssdiff.campaign.pool import Mix, Pool
+from ssdiff.model.strategies import Bounds
+from ssdiff.runtime import DeviceOutOfMemory
 
 # every feature of the chunk_scan entry that a slice has to carry: groups, D per channel, z, dt_bias, initial
 # states, final states, sequences with padding
@@ -65,13 +65,13 @@ def test_a_kernel_whose_offsets_wrap_is_found_on_a_huge_case_only(small_threshol
     """A planted 32-bit offset overflow (x read from i - HUGE_ELEMENTS past it) diverges on the slice of a huge
     case, and is no divergence where the case stays below the threshold."""
     case = WHOLE.replace(padding=None, segments=None)
-    with Examiner(["harness.doubles:offset_wrap_bug", "harness.doubles:healthy"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:offset_wrap_bug", "ssdiff.sides.doubles:healthy"], device) as examiner:
         outcome = examiner.examine(case)
-        assert not outcome.verdicts["harness.doubles:offset_wrap_bug"].ok
-        assert outcome.verdicts["harness.doubles:healthy"].ok
+        assert not outcome.verdicts["ssdiff.sides.doubles:offset_wrap_bug"].ok
+        assert outcome.verdicts["ssdiff.sides.doubles:healthy"].ok
         small = case.replace(batch=1, seqlen=8)             # 128 elements of x, 128 of chunk states
         assert not huge.is_huge(small)
-        assert examiner.examine(small).verdicts["harness.doubles:offset_wrap_bug"].ok
+        assert examiner.examine(small).verdicts["ssdiff.sides.doubles:offset_wrap_bug"].ok
 
 
 def test_a_huge_case_without_room_on_the_device_is_no_verdict(small_threshold, device, monkeypatch):

@@ -1,11 +1,12 @@
-"""`ssdiff fuzz --jobs N`: a campaign split over processes reads as one (harness/jobs.py)."""
+"""`ssdiff fuzz --jobs N`: a campaign split over processes reads as one (harness/campaign/jobs.py)."""
 
 from __future__ import annotations
 
 import json
 
-from harness import jobs, store
-from harness.cli import main
+from ssdiff.campaign import jobs
+from ssdiff import store
+from ssdiff.cli import main
 
 
 def test_each_job_gets_its_own_seed_output_and_share_of_the_examples():
@@ -68,7 +69,7 @@ def test_merged_summary_sums_the_jobs_and_keeps_one_folder_per_signature(tmp_pat
 
 def test_jobs_find_a_planted_bug_stop_each_other_and_write_one_run(tmp_path, device, capsys):
     out = tmp_path / "run"
-    assert main(["fuzz", "--impl", "harness.doubles:mask_bug", "--max-examples", "400", "--pass", "forward",
+    assert main(["fuzz", "--impl", "ssdiff.sides.doubles:mask_bug", "--max-examples", "400", "--pass", "forward",
                  "--dtype", "float32", "--seed", "4", "--device", device, "--out", str(out), "--jobs", "2",
                  "--no-minimize", "--no-report"]) == 1
     summary = json.loads((out / store.SUMMARY).read_text())

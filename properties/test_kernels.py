@@ -10,8 +10,8 @@
 Every example runs under one autotune configuration index, drawn (``runtime.autotune(index)``: config
 ``index % n`` of each kernel), so the configurations of every kernel are swept over the examples.
 
-Judging: harness.verdict (the error budget is a multiple of what a same-precision model kernel,
-harness/baseline.py, naturally gets wrong on the same case — the largest error over its rounding samples —
+Judging: ssdiff.verdict.judge (the error budget is a multiple of what a same-precision model kernel,
+harness/budget/baseline.py, naturally gets wrong on the same case — the largest error over its rounding samples —
 plus a rounding floor; ratio <= 1 passes). No
 per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its budgets are tight; on a GPU the
 baseline models TF32 for fp32.
@@ -30,24 +30,26 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from harness import baseline, oracle, runtime
-from harness.case import Case, Regime
-from harness.impls import get
-from harness.impls.ssdiff_triton import chunk_major_to_tokens
-from harness.inputs import materialize
-from harness.strategies import Bounds
-from harness.verdict import judge, judge_tensor
+from ssdiff.budget import baseline
+from ssdiff import truth as oracle
+from ssdiff import runtime
+from ssdiff.model.case import Case, Regime
+from ssdiff.sides.registry import get
+from ssdiff.sides.adapters.ssdiff_triton import chunk_major_to_tokens
+from ssdiff.inputs import materialize
+from ssdiff.model.strategies import Bounds
+from ssdiff.verdict.judge import judge, judge_tensor
 from properties import pooled
 from properties.oracle_checks import dt_on_its_bounds
 
 runtime.configure()
 
-from kernels.ssd import configs  # noqa: E402
-from kernels.ssd.bmm import ssd_bmm_fwd  # noqa: E402
-from kernels.ssd.chunk_scan import ssd_chunk_scan_fwd  # noqa: E402
-from kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_varlen_states_fwd  # noqa: E402
-from kernels.ssd.cumsum import ssd_cumsum_fwd  # noqa: E402
-from kernels.ssd.state_passing import ssd_state_passing_fwd  # noqa: E402
+from ssdiff.kernels.ssd import configs  # noqa: E402
+from ssdiff.kernels.ssd.bmm import ssd_bmm_fwd  # noqa: E402
+from ssdiff.kernels.ssd.chunk_scan import ssd_chunk_scan_fwd  # noqa: E402
+from ssdiff.kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_varlen_states_fwd  # noqa: E402
+from ssdiff.kernels.ssd.cumsum import ssd_cumsum_fwd  # noqa: E402
+from ssdiff.kernels.ssd.state_passing import ssd_state_passing_fwd  # noqa: E402
 
 IMPL = "ssdiff.triton"
 _SCALE = {"gpu": 5, "nightly": 20}.get(settings._current_profile, 1)      # the profile conftest.py loaded
@@ -95,7 +97,7 @@ def _chunk_major(t_tokens: torch.Tensor, Q: int, fill_last: bool) -> torch.Tenso
 def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
     """Each stage kernel, fed upstream stages that do not come from the kernels, matches the oracle stage.
 
-    The upstream stages fed are the same-precision baseline's (harness/baseline.py: float32 values, what a
+    The upstream stages fed are the same-precision baseline's (harness/budget/baseline.py: float32 values, what a
     correct kernel hands on): a stage then starts from exactly the inputs the baseline's own stage started
     from, so the budget (a multiple of the baseline's error) measures this stage alone. (Fed the float64
     oracle's stages rounded to float32 instead, a stage would inherit a rounding of dA_cumsum the budget does
@@ -252,7 +254,7 @@ def test_nothing_reads_the_dA_cumsum_past_the_last_token(entry, device, monkeypa
     kernel that reads the chunk's total there (at Q - 1, as mamba_ssm's chunk-state kernel does: its defect
     mamba-ragged-chunk-final-state-decay) meets tl.cumsum's different rounding of that position on a GPU. With
     the cumsum past every sequence's end shifted by 0.5, the outputs and gradients are bitwise the same."""
-    import kernels.ssd.combined as combined
+    import ssdiff.kernels.ssd.combined as combined
 
     case = Case(entry=entry, batch=2, seqlen=21, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=16, D="head",
                 initial_states=True, return_final_states=True, regime=Regime(decay="strong"), pass_="backward",
@@ -320,9 +322,9 @@ def test_wide_in_chunk_offsets_give_the_same_result(device, monkeypatch):
     first token; only when a chunk's span of a token stride could pass int32 (``idx64``: 2 * chunk_size *
     stride >= 2**31, a tensor too big to build here) do they widen them to int64. That path, forced, gives bitwise
     the same outputs and gradients as the int32 one."""
-    import kernels.ssd.chunk_scan as chunk_scan
-    import kernels.ssd.chunk_state as chunk_state
-    from kernels.ssd.common import idx64
+    import ssdiff.kernels.ssd.chunk_scan as chunk_scan
+    import ssdiff.kernels.ssd.chunk_state as chunk_state
+    from ssdiff.kernels.ssd.common import idx64
     assert not idx64(256, 2 ** 22 - 1) and idx64(256, 2 ** 22) and idx64(256, 1, -(2 ** 22))
     case = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=16, D="channel",
                 has_z=True, initial_states=True, segments=((7, 10, 2), (21,)), padding=(2, 0),
@@ -354,9 +356,9 @@ def test_a_wrong_group_is_caught(device):
     wrong = inputs.native()
     B = wrong["B"].clone()
     B[:, :, 1] = B[:, :, 0]                      # heads of group 1 read group 0's B
-    from kernels.ssd.combined import ssd_chunk_scan_combined
+    from ssdiff.kernels.ssd.combined import ssd_chunk_scan_combined
     y, final = ssd_chunk_scan_combined(wrong["x"], wrong["dt"], wrong["A"], B, wrong["C"], case.chunk_size,
                                        D=wrong.get("D"), dt_bias=wrong.get("dt_bias"), dt_softplus=True,
                                        return_final_states=True)
-    from harness.evaluation import Evaluation
+    from ssdiff.model.evaluation import Evaluation
     assert not judge(IMPL, case, inputs, Evaluation({"y": y, "final_states": final}), truth, base).ok

@@ -24,18 +24,19 @@ import pytest
 import torch
 from hypothesis import assume, example, given, settings
 
-from harness import runtime
+from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness import known, oracle  # noqa: E402
-from harness.case import Case, CaseError, Regime  # noqa: E402
-from harness.examine import Examiner  # noqa: E402
-from harness.fuzz import FuzzConfig, Fuzzer  # noqa: E402
-from harness.impls import all_implementations, get  # noqa: E402
-from harness.inputs import materialize  # noqa: E402
-from harness.localize import fit_case  # noqa: E402
-from harness.strategies import Bounds, cases  # noqa: E402
+from ssdiff import truth as oracle  # noqa: E402
+from ssdiff.registry import known
+from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
+from ssdiff.examine import Examiner  # noqa: E402
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
+from ssdiff.sides.registry import all_implementations, get  # noqa: E402
+from ssdiff.inputs import materialize  # noqa: E402
+from ssdiff.investigate.localize import fit_case  # noqa: E402
+from ssdiff.model.strategies import Bounds, cases  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
 from properties.test_upstream import ONE_CONFIG  # noqa: E402
 
@@ -118,7 +119,7 @@ def assert_within_budget(spec: str, case: Case, device: str):
 @example(Case(**LAYER, batch=2, seqlen=11, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4, d_model=7,
               d_nonssm=2, D="channel", rmsnorm=True, bias=True, pass_="backward", regime=Regime(decay="strong")))
 def test_the_float32_layer_double_is_within_budget(device, case):
-    assert_within_budget("harness.doubles:layer", case, device)
+    assert_within_budget("ssdiff.sides.doubles:layer", case, device)
 
 
 def fitted_to(spec: str, case: Case, device: str) -> Case:
@@ -173,7 +174,7 @@ def test_every_layer_computes_with_the_cases_weights(spec, device):
 # ---- a planted norm bug: found, localized to the norm, minimized, reproduced --------------------------------
 
 def test_a_norm_over_the_wrong_group_size_is_found_and_localized_to_the_norm(tmp_path, device):
-    spec = "harness.doubles:layer_norm_bug"
+    spec = "ssdiff.sides.doubles:layer_norm_bug"
     config = FuzzConfig(impl=spec, entry="layer", out_dir=str(tmp_path), device=device, report_dir=None,
                         max_time=None, max_examples=100, seed=3, minimize=False, dtypes=("float32",), bounds=BOUNDS)
     report = Fuzzer(config).run()
@@ -189,9 +190,9 @@ def test_a_planted_layer_bug_minimizes_to_a_small_case_whose_repro_diverges(tmp_
     import subprocess
     import sys
 
-    from harness.minimize import minimize_outcome
+    from ssdiff.investigate.minimize import minimize_outcome
 
-    spec = "harness.doubles:layer_norm_bug"
+    spec = "ssdiff.sides.doubles:layer_norm_bug"
     start = Case(**LAYER, batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4, d_model=7,
                  d_nonssm=2, rmsnorm=True, bias=True, pass_="backward")
     with Examiner([spec], device) as examiner:

@@ -1,4 +1,4 @@
-"""Metamorphic properties (harness/metamorphic.py): what one call cannot show, compared with no oracle in the
+"""Metamorphic properties (harness/investigate/metamorphic.py): what one call cannot show, compared with no oracle in the
 comparison. A prefill split in two with the first part's final state carried equals one prefill; a prefill of
 T - k tokens then k decode steps equals a prefill of T; a batch row's output does not depend on the other rows
 (bit for bit under one config); the sequences of a packed row equal each sequence run alone. Each has teeth: a
@@ -8,11 +8,14 @@ import pytest
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
-from harness import doubles, known, metamorphic, runtime
-from harness.case import Case, Regime
-from harness.examine import Examiner
-from harness.impls import get
-from harness.strategies import Bounds, lengths_summing_to
+from ssdiff.sides import doubles
+from ssdiff.registry import known
+from ssdiff.investigate import metamorphic
+from ssdiff import runtime
+from ssdiff.model.case import Case, Regime
+from ssdiff.examine import Examiner
+from ssdiff.sides.registry import get
+from ssdiff.model.strategies import Bounds, lengths_summing_to
 from properties import pooled
 
 SCANS = ["mamba_ssm.chunk_scan_combined", "ssdiff.triton", "vllm.chunk_scan_combined_varlen"]
@@ -37,7 +40,7 @@ def dtypes_of(impl) -> tuple:
 
 def holds(relation_fn, *args, known_defect=None, **kw):
     """The relation holds, or the case is outside what it (or an implementation) takes: Hypothesis moves on.
-    Where a known defect's predicate covers a part of the relation (``known_defect``, a harness/known.py
+    Where a known defect's predicate covers a part of the relation (``known_defect``, a harness/registry/known.py
     record), the relation must break — the defect reproduced, reported as known — and the search goes on."""
     try:
         relation = relation_fn(*args, **kw)
@@ -163,14 +166,14 @@ TOOTH = Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=4, in
 
 
 def test_split_prefill_fails_where_initial_states_are_ignored(device):
-    with Examiner(["harness.doubles:healthy"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:healthy"], device) as examiner:
         assert metamorphic.split_prefill(examiner, doubles.healthy, TOOTH, 5).ok
         broken = metamorphic.split_prefill(examiner, doubles.initial_states_bug, TOOTH, 5)
     assert not broken.ok and broken.ratios["y"] > 1, broken.message()
 
 
 def test_prefill_then_steps_fails_where_the_step_does_not_decay(device):
-    with Examiner(["harness.doubles:healthy"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:healthy"], device) as examiner:
         assert metamorphic.prefill_then_steps(examiner, doubles.healthy, doubles.step, TOOTH, 3).ok
         broken = metamorphic.prefill_then_steps(examiner, doubles.healthy, doubles.step_no_decay_bug, TOOTH, 3)
     assert not broken.ok and broken.ratios["final_states"] > 1, broken.message()
@@ -184,7 +187,7 @@ def test_rows_alone_fails_where_rows_leak_into_each_other(device):
 
 def test_packed_alone_fails_where_the_state_is_not_reset_between_sequences(device):
     packed = TOOTH.replace(batch=1, segments=((5, 7),), initial_states=False)
-    with Examiner(["harness.doubles:healthy"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:healthy"], device) as examiner:
         assert metamorphic.packed_alone(examiner, doubles.healthy, packed).ok
         broken = metamorphic.packed_alone(examiner, doubles.reset_bug, packed)
     assert not broken.ok and broken.ratios["y"] > 1, broken.message()
@@ -193,14 +196,14 @@ def test_packed_alone_fails_where_the_state_is_not_reset_between_sequences(devic
 def test_layer_decoded_fails_where_the_decoded_tokens_drop_the_skip(device):
     case = Case(entry="layer", batch=2, seqlen=7, nheads=2, headdim=3, dstate=4, chunk_size=4, d_model=6,
                 return_final_states=False, rmsnorm_eps=1e-5, seed=5)
-    with Examiner(["harness.doubles:layer"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:layer"], device) as examiner:
         assert metamorphic.layer_decoded(examiner, doubles.layer, case, 3).ok
         broken = metamorphic.layer_decoded(examiner, doubles.layer_decode_bug, case, 3)
     assert not broken.ok and broken.ratios["y"] > 1, broken.message()
 
 
 def test_a_case_outside_a_relation_is_refused_with_the_reason(device):
-    with Examiner(["harness.doubles:healthy"], device) as examiner:
+    with Examiner(["ssdiff.sides.doubles:healthy"], device) as examiner:
         with pytest.raises(metamorphic.NotApplicable, match="without seq_idx"):
             metamorphic.split_prefill(examiner, doubles.healthy, TOOTH.replace(segments=((6, 6), (12,))), 3)
     with pytest.raises(metamorphic.NotApplicable, match="two rows"):

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import known, repro
-from harness.case import Case, Regime
-from harness.cli import main
-from harness.evaluation import Evaluation
-from harness.examine import Examiner, failing_tensors
-from harness.localize import stages
-from harness.minimize import minimize
-from harness.verdict import judge
+from ssdiff.registry import known
+from ssdiff.reproduce import repro
+from ssdiff.model.case import Case, Regime
+from ssdiff.cli import main
+from ssdiff.model.evaluation import Evaluation
+from ssdiff.examine import Examiner, failing_tensors
+from ssdiff.investigate.localize import stages
+from ssdiff.investigate.minimize import minimize
+from ssdiff.verdict.judge import judge
 from properties.test_upstream import usable
 
 SEED_PAIR = ("mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref")
@@ -50,7 +51,7 @@ def test_seed_divergence_minimizes_to_a_tiny_grouped_case(seed_minimized):
 def test_seed_repro_fails_until_the_upstream_fix(seed_minimized, tmp_path):
     repro = seed_minimized.repro_path
     text = repro.read_text()
-    assert not re.search(r"^\s*(from|import) harness", text, re.M), "repro.py must not need ssdiff"
+    assert not re.search(r"^\s*(from|import) (ssdiff|harness)", text, re.M), "repro.py must not need ssdiff"
     before = _run_repro(repro)
     assert before.returncode == 1, before.stdout + before.stderr
     assert "the float64 oracle agrees with mamba_ssm.split_conv1d_combined" in before.stdout
@@ -76,11 +77,11 @@ def test_replay_reproduces_the_stored_verdict(seed_minimized, device, capsys):
 
 
 PLANTED = [
-    ("harness.doubles:group_bug", Case(batch=2, seqlen=24, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+    ("ssdiff.sides.doubles:group_bug", Case(batch=2, seqlen=24, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=8,
                                        seed=3)),
-    ("harness.doubles:reset_bug", Case(batch=1, seqlen=24, nheads=2, headdim=4, dstate=4, chunk_size=8,
+    ("ssdiff.sides.doubles:reset_bug", Case(batch=1, seqlen=24, nheads=2, headdim=4, dstate=4, chunk_size=8,
                                        segments=((10, 14),), regime=Regime(decay="mild"), seed=3)),
-    ("harness.doubles:mask_bug", Case(batch=1, seqlen=21, nheads=2, headdim=4, dstate=4, chunk_size=8, seed=3)),
+    ("ssdiff.sides.doubles:mask_bug", Case(batch=1, seqlen=21, nheads=2, headdim=4, dstate=4, chunk_size=8, seed=3)),
 ]
 
 
@@ -221,7 +222,7 @@ def test_repro_writes_flas_simple_gla_out_with_the_adapters_map(side, device, tm
     path = repro.write(tmp_path / "repro.py", case, [impl.name], outcome.inputs, outcome.truth, outcome.baseline,
                        4.0, "a healthy case", 0)
     text = path.read_text()
-    assert not re.search(r"^\s*(from|import) harness", text, re.M) and "fla.ops.simple_gla" in text
+    assert not re.search(r"^\s*(from|import) (ssdiff|harness)", text, re.M) and "fla.ops.simple_gla" in text
     ran = repro.run(path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
 

@@ -4,8 +4,8 @@ generated cases spanning every feature of both entry points."""
 import torch
 from hypothesis import example, given
 
-from harness.case import Case, Regime
-from harness.strategies import cases
+from ssdiff.model.case import Case, Regime
+from ssdiff.model.strategies import cases
 from properties.oracle_checks import dt_on_its_bounds, oracles_agree
 
 
@@ -32,7 +32,7 @@ def test_three_oracles_agree_with_dt_on_a_bound_of_its_limit(device):
 def test_the_chunked_oracles_state_passing_is_the_recurrence_with_its_gradient(device):
     """The chunked oracle's states between chunks (one autograd function) against the recurrence S_0 = initial,
     S_k+1 = keep_k S_k + chunk_states_k, and its gradient against torch's numerical one."""
-    from harness.oracle.chunked import _CarryStates
+    from ssdiff.truth.chunked import _CarryStates
 
     g = torch.Generator().manual_seed(0)
     drawn = lambda f, *shape: f(*shape, dtype=torch.float64, generator=g).to(device).requires_grad_(True)

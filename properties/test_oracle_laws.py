@@ -3,7 +3,7 @@
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from harness.strategies import Bounds, cases
+from ssdiff.model.strategies import Bounds, cases
 from properties import oracle_checks as laws
 
 CHUNK_SIZES = (4, 8, 16, 32)

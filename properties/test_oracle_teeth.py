@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from harness.oracle import chunked, recurrent
-from harness.strategies import cases
+from ssdiff.truth import chunked, recurrent
+from ssdiff.model.strategies import cases
 from properties import oracle_checks
 
 SEARCH = settings(max_examples=200, derandomize=True, database=None, deadline=None, phases=[Phase.generate],

@@ -1,11 +1,11 @@
-"""The compile pool's keys (harness/pool.py): what a round of a native campaign draws its cases from. Keys are
+"""The compile pool's keys (harness/campaign/pool.py): what a round of a native campaign draws its cases from. Keys are
 plain data, drawn the same on every machine."""
 
 from __future__ import annotations
 
-from harness import pool
-from harness.pool import Mix, Pool, feature_pairs
-from harness.strategies import Bounds
+from ssdiff.campaign import pool
+from ssdiff.campaign.pool import Mix, Pool, feature_pairs
+from ssdiff.model.strategies import Bounds
 
 BOUNDS = Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=64, max_dstate=64,
                 chunk_sizes=(16, 32, 64, 128, 256))
@@ -34,7 +34,7 @@ def test_a_rounds_keys_are_drawn_to_meet_more_features_together(monkeypatch):
 def test_a_boundary_keys_candidates_share_its_boundary_and_the_keys_take_the_boundaries_in_turn():
     from itertools import cycle
 
-    from harness.tiling import Boundary
+    from ssdiff.sides.tiling import Boundary
 
     boundaries = tuple(Boundary("headdim", v, 32, "k", 0) for v in (31, 32, 33, 65, 97))
     p = Pool(("chunk_scan",), ("float32",), BOUNDS, boundaries, mix=Mix(size=2, production=0.0, boundary=0.5),

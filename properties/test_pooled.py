@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.impls import get
-from harness.pool import flags_of
+from ssdiff.sides.registry import get
+from ssdiff.campaign.pool import flags_of
 from properties import pooled
 from properties.test_upstream import bounds_here, cases_for, narrowed
 

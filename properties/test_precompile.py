@@ -1,13 +1,13 @@
-"""What the compile-ahead workers are given (harness/precompile.py): one job per autotune config index of each
+"""What the compile-ahead workers are given (harness/campaign/precompile.py): one job per autotune config index of each
 side's own autotuned kernels, a benchmarking job only for a side that has some, and none for a job the cache's
 record says was done. Campaigns compile ahead natively only; the Compiler itself runs anywhere (under the
 interpreter a job runs its case and compiles nothing)."""
 
 from __future__ import annotations
 
-from harness import tiling
-from harness.impls import get
-from harness.precompile import Compiler
+from ssdiff.sides import tiling
+from ssdiff.sides.registry import get
+from ssdiff.campaign.precompile import Compiler
 from properties.test_upstream import usable
 
 COMBINED, REF = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
@@ -25,7 +25,7 @@ def test_each_side_gets_the_config_indices_of_its_own_autotuned_kernels(device):
 
 
 def test_a_job_done_on_this_cache_is_not_queued_again(tmp_path, monkeypatch, device):
-    from harness.case import Case
+    from ssdiff.model.case import Case
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     side = "ssdiff.triton"
@@ -51,7 +51,7 @@ def test_every_cases_config_0_is_queued_before_any_other_config_and_the_benchmar
     ready() says whether the workers are up."""
     from concurrent.futures import Future
 
-    from harness.case import Case
+    from ssdiff.model.case import Case
 
     combined, ref = (usable(name, "float32", False, device) for name in (COMBINED, REF))
     compiler = Compiler({COMBINED: combined, REF: ref}, device, "tuned", workers=1)
@@ -81,8 +81,8 @@ def test_every_cases_config_0_is_queued_before_any_other_config_and_the_benchmar
 
 def test_a_side_whose_kernels_are_a_namespace_is_stamped_with_their_files(device):
     """A test double's kernel_modules() is a namespace of kernels, not a module: its stamp names the file they are
-    defined in (harness/doubles.py), so a campaign with such a side compiles ahead like any other."""
-    from harness import doubles
+    defined in (harness/sides/doubles.py), so a campaign with such a side compiles ahead like any other."""
+    from ssdiff.sides import doubles
 
-    compiler = Compiler({"harness.doubles:tiling_bug": doubles.tiling_bug}, device, "tuned", workers=1)
-    assert "harness/doubles.py:" in compiler._stamps["harness.doubles:tiling_bug"]
+    compiler = Compiler({"ssdiff.sides.doubles:tiling_bug": doubles.tiling_bug}, device, "tuned", workers=1)
+    assert "harness/sides/doubles.py:" in compiler._stamps["ssdiff.sides.doubles:tiling_bug"]

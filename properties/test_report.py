@@ -4,8 +4,8 @@ the page is self-contained, shows every part of a divergence, and opens cleanly 
 Runs here (module fixtures, each fuzzed once):
 - the seed divergence: mamba_ssm.split_conv1d_combined against mamba_ssm.split_conv1d_ref, the real adapters
   (the reference's gated RMSNorm normalizes over the whole dim instead of per group), with a fixed seed;
-  where mamba_ssm cannot run, the planted double of the same bug (harness.doubles:mixer_norm_bug);
-- a planted bug: harness.doubles:group_bug (chunk states read B of the wrong group) against the healthy toy
+  where mamba_ssm cannot run, the planted double of the same bug (ssdiff.sides.doubles:mixer_norm_bug);
+- a planted bug: ssdiff.sides.doubles:group_bug (chunk states read B of the wrong group) against the healthy toy
   kernel, backward pass;
 - a clean run: the healthy toy kernel, a few cases.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import pytest
 from markupsafe import escape
 
-from harness import upstream
-from harness.case import Case
-from harness.fuzz import FuzzConfig, Fuzzer
-from harness.report import browser, render
-from harness.strategies import Bounds
+from ssdiff.sides import upstream
+from ssdiff.model.case import Case
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
+from ssdiff.report import browser, render
+from ssdiff.model.strategies import Bounds
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARTIFACTS = pathlib.Path(os.environ.get("SSDIFF_ARTIFACTS") or REPO / "reports" / "artifacts")
@@ -114,10 +114,10 @@ def seed_run(shared, device):
         config = dict(impl="mamba_ssm.split_conv1d_combined", against="mamba_ssm.split_conv1d_ref", pass_="forward")
     else:
         warnings.warn(f"mamba_ssm cannot run here ({problem}): the seed divergence comes from its planted double")
-        config = dict(impl="harness.doubles:mixer", against="harness.doubles:mixer_norm_bug", pass_="forward")
+        config = dict(impl="ssdiff.sides.doubles:mixer", against="ssdiff.sides.doubles:mixer_norm_bug", pass_="forward")
     # Small shapes: every case is cheap under the interpreter, and ngroups > 1 with rmsnorm comes up early.
     small = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(8, 16))
-    # The seed divergence is a known defect (harness/known.py): the page shows it found unaided. The CPU's search
+    # The seed divergence is a known defect (harness/registry/known.py): the page shows it found unaided. The CPU's search
     # on every platform: cases drawn freely (no compile pool, whose four keys of a round need not pair ngroups > 1
     # with the norm) under config 0 (what "tuned" is under the interpreter), so the same draws find it.
     run = fuzz_once(shared, "seed", seed=1, max_time=120, max_examples=400, bounds=small, known="ignore", device=device,
@@ -128,7 +128,7 @@ def seed_run(shared, device):
 
 @pytest.fixture(scope="module")
 def planted_run(shared, device):
-    run = fuzz_once(shared, "planted", impl="harness.doubles:group_bug", against="harness.doubles:healthy",
+    run = fuzz_once(shared, "planted", impl="ssdiff.sides.doubles:group_bug", against="ssdiff.sides.doubles:healthy",
                     pass_="backward", seed=3, max_time=120, max_examples=200, device=device)
     assert run.folders, f"the planted group bug was not found: {run.summary}"
     return run
@@ -136,7 +136,7 @@ def planted_run(shared, device):
 
 @pytest.fixture(scope="module")
 def clean_run(shared, device):
-    return fuzz_once(shared, "clean", impl="harness.doubles:healthy", pass_="forward", seed=0, max_examples=6,
+    return fuzz_once(shared, "clean", impl="ssdiff.sides.doubles:healthy", pass_="forward", seed=0, max_examples=6,
                      max_time=120, device=device)
 
 
@@ -175,7 +175,7 @@ def test_report_of_a_planted_bug_shows_every_part(planted_run, device):
                 assert f'<td class="mono">{t["name"]}</td>' in part
     assert 'class="badge status-diverged"' in part and 'class="badge status-ok"' in part
     # which side the oracle agrees with
-    assert "the oracle agrees with harness.doubles:healthy" in part
+    assert "the oracle agrees with ssdiff.sides.doubles:healthy" in part
     # the stage table, the first divergent stage highlighted: the bug is in the chunk states
     first = re.search(r'<tr class="first">\s*<td class="mono">(\w+)</td>', part)
     assert first and first.group(1) == "chunk_states", part[:3000]
@@ -190,7 +190,7 @@ def test_report_of_a_planted_bug_shows_every_part(planted_run, device):
         assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     assert "stage.chunk_states (first divergent stage): largest error / budget per head × chunk" in part
     ngroups = planted_run.case(1).ngroups
-    for t in verdict["verdicts"]["harness.doubles:group_bug"]["tensors"]:
+    for t in verdict["verdicts"]["ssdiff.sides.doubles:group_bug"]["tensors"]:
         if t["kind"] == "output" and t["status"] != "ok":
             cols = "batch" if t["name"] == "final_states" else "chunk"
             assert f"{t['name']}: largest error / budget per head × {cols}" in part
@@ -216,7 +216,7 @@ def test_error_maps_put_the_group_bug_on_the_heads_that_read_the_wrong_group(pla
     have the case's shape."""
     case = planted_run.case(1)
     saved = json.loads((planted_run.folders[0] / "error_maps.json").read_text())
-    maps = saved["sides"]["harness.doubles:group_bug"]
+    maps = saved["sides"]["ssdiff.sides.doubles:group_bug"]
     states = maps["stage.chunk_states"]
     assert states["rows"] == [f"h{h}" for h in range(case.nheads)] and states["cols_axis"] == "chunk"
     assert len(states["matrix"][0]) == case.nchunks
@@ -234,7 +234,7 @@ def test_error_maps_put_the_group_bug_on_the_heads_that_read_the_wrong_group(pla
 
 
 def test_a_saved_run_renders_again_the_same(planted_run, workdir):
-    from harness import cli
+    from ssdiff import cli
 
     again = workdir / "again"
     assert cli.main(["report", str(planted_run.out), "--reports", str(again)]) == 0
@@ -262,7 +262,7 @@ def test_a_clean_run_says_so_with_cases_and_the_largest_ratio(clean_run):
 
 
 def test_float32_divergences_tf32_explains_are_listed_apart_from_the_divergences(clean_run, tmp_path):
-    """summary.json's tf32_explained (harness/tf32.py) gets a table of its own and a word in the outcome; the page
+    """summary.json's tf32_explained (harness/investigate/tf32.py) gets a table of its own and a word in the outcome; the page
     stays a clean run's: no divergence."""
     copy = tmp_path / "with-tf32"
     shutil.copytree(clean_run.out, copy)
@@ -364,11 +364,11 @@ def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run):
 
 
 def worst_case_maps(verdict_record: dict, seed: int) -> dict:
-    """Error maps at the size caps (harness/report/maps.py) for every diverging tensor of every side, with random
+    """Error maps at the size caps (harness/verdict/maps.py) for every diverging tensor of every side, with random
     log-uniform content: the largest, least compressible figures a divergence can ask for."""
     import random
 
-    from harness.report.maps import MAX_COLS, MAX_ROWS, MAX_TOKENS
+    from ssdiff.verdict.maps import MAX_COLS, MAX_ROWS, MAX_TOKENS
 
     rng = random.Random(seed)
 
@@ -428,11 +428,11 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path, device)
 
     test = tmp_path / "test_planted.py"
     test.write_text(
-        "from harness import runtime\nruntime.configure()\n"
+        "from ssdiff import runtime\nruntime.configure()\n"
         "from hypothesis import given, settings, strategies as st\n"
-        "from harness import baseline, oracle\nfrom harness.case import Case\n"
-        "from harness.doubles import group_bug\nfrom harness.inputs import materialize\n"
-        "from harness.verdict import judge\n\n"
+        "from ssdiff.budget import baseline\nfrom ssdiff import truth as oracle\nfrom ssdiff.model.case import Case\n"
+        "from ssdiff.sides.doubles import group_bug\nfrom ssdiff.inputs import materialize\n"
+        "from ssdiff.verdict.judge import judge\n\n"
         "@settings(max_examples=4, deadline=None, database=None, derandomize=True)\n"
         "@given(st.sampled_from([1, 2]))\n"
         "def test_group_bug_matches_the_oracle(ngroups):\n"
@@ -442,7 +442,7 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path, device)
         "              baseline.evaluate(case, inputs))\n"
         "    assert v.ok, v.message()\n")
     root = tmp_path / "reports"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "harness.report.pytest_plugin",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q",
                           f"--ssdiff-report={root}", "-p", "no:cacheprovider", str(test)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
@@ -457,7 +457,7 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path, device)
     assert len(images(text)) >= 2 and not EXTERNAL.findall(text)
     assert (root / "index.html").is_file()
     # and it renders again under its own name
-    from harness import cli
+    from ssdiff import cli
 
     again = tmp_path / "again"
     assert cli.main(["report", str(pages[0].parent / "run"), "--reports", str(again)]) == 0

@@ -1,4 +1,4 @@
-"""harness.runtime: a forced autotune config that does not fit the device is passed over; and the device policy
+"""ssdiff.runtime: a forced autotune config that does not fit the device is passed over; and the device policy
 of this suite (conftest.py) holds.
 
 On an H200, mamba_ssm's config 0 of some kernels needs 296 KB of shared memory in float32 (the limit is
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import runtime
-from harness.case import Case
-from harness.inputs import materialize
+from ssdiff import runtime
+from ssdiff.model.case import Case
+from ssdiff.inputs import materialize
 
 runtime.configure()
 

@@ -1,4 +1,4 @@
-"""The CPU stand-ins for causal_conv1d and selective_scan_cuda (harness.standins) against float64.
+"""The CPU stand-ins for causal_conv1d and selective_scan_cuda (ssdiff.sides.standins) against float64.
 
 The references here are written independently of the stand-ins (explicit loops over tokens and taps, in
 float64); the stand-ins compute in float32 and store in the input dtype, so they are held to a few units of
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import standins
+from ssdiff.sides import standins
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SETTINGS = dict(max_examples=30, deadline=None)
@@ -239,7 +239,7 @@ def test_selective_scan_backward_matches_float64(device, p):
 
 def test_selective_scan_interface_runs_on_the_standin(device):
     """mamba_ssm's selective_scan_fn (its autograd wrapper) drives the stand-in forward and backward."""
-    from harness import upstream
+    from ssdiff.sides import upstream
     try:
         upstream.mamba_ssm()
     except upstream.Unavailable as err:

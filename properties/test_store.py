@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from harness import store
-from harness.case import Case
-from harness.report import render
-from harness.verdict import failed_run
+from ssdiff import store
+from ssdiff.model.case import Case
+from ssdiff.report import render
+from ssdiff.verdict.judge import failed_run
 
 
 def _saved_run(root, device):

@@ -8,18 +8,18 @@ What this file checks:
   every config of every kernel, with another SM count, and stage by stage;
 - state-spaces/mamba#647 (seed 000): on its domain the fused mixer and its reference disagree, the oracle
   agrees with the fused mixer and the reference diverges;
-- every record of harness/known.py: its example satisfies its predicate and, on an affected release, diverges
+- every record of harness/registry/known.py: its example satisfies its predicate and, on an affected release, diverges
   (a strict expected failure; on a fixed release it must agree), and a case a record explains is run and judged,
   not skipped as outside a capability;
 - the generic ``module:function`` adapter, capability skips with their reasons, stand-in notes, ``ssdiff list``,
   and other mamba_ssm releases (each in a child process).
 
-Divergence has one definition: harness/verdict.py's `judge`, through harness.examine.Examiner (the budget is a
+Divergence has one definition: harness/verdict/judge.py's `judge`, through ssdiff.examine.Examiner (the budget is a
 multiple of a same-precision baseline's error; padding outputs and elements beyond the dtype's range are not
 judged; dtypes are checked). No tolerance lives here. Cases a known defect of the installed release explains
-(harness.known.matching) are left out of the general properties: the registry test pins each one, and
+(ssdiff.registry.known.matching) are left out of the general properties: the registry test pins each one, and
 `ssdiff fuzz` reports them under their ids. A record that bounds its error leaves its cases in: a divergence it
-accounts for (harness.known.explains) passes, any other fails. Runs on the CPU under the Triton interpreter (tiny
+accounts for (ssdiff.registry.known.explains) passes, any other fails. Runs on the CPU under the Triton interpreter (tiny
 shapes) or natively on a GPU (``--device cuda``; bf16 and fla.chunk_simple_gla there).
 """
 
@@ -37,25 +37,27 @@ import torch
 from hypothesis import HealthCheck, Phase, assume, currently_in_test_context, example, given, note, settings
 from hypothesis import strategies as st
 
-from harness import runtime
+from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness import known, tf32, upstream  # noqa: E402
-from harness.case import Case, Regime  # noqa: E402
-from harness.evaluation import Evaluation  # noqa: E402
-from harness.examine import Examiner, Outcome  # noqa: E402
-from harness.features import without  # noqa: E402
-from harness.impls import all_implementations, get  # noqa: E402
-from harness.impls.generic import CallableImplementation  # noqa: E402
-from harness.inputs import materialize  # noqa: E402
-from harness.strategies import Bounds, cases  # noqa: E402
-from harness.verdict import Verdict, judge  # noqa: E402
+from ssdiff.sides import upstream  # noqa: E402
+from ssdiff.registry import known
+from ssdiff.investigate import tf32
+from ssdiff.model.case import Case, Regime  # noqa: E402
+from ssdiff.model.evaluation import Evaluation  # noqa: E402
+from ssdiff.examine import Examiner, Outcome  # noqa: E402
+from ssdiff.model.features import without  # noqa: E402
+from ssdiff.sides.registry import all_implementations, get  # noqa: E402
+from ssdiff.sides.adapters.generic import CallableImplementation  # noqa: E402
+from ssdiff.inputs import materialize  # noqa: E402
+from ssdiff.model.strategies import Bounds, cases  # noqa: E402
+from ssdiff.verdict.judge import Verdict, judge  # noqa: E402
 from properties import pooled  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-# ---- judging: harness/verdict.py through an Examiner ------------------------------------------------------
+# ---- judging: harness/verdict/judge.py through an Examiner ------------------------------------------------------
 
 
 def replay(case: Case, choice: runtime.Choice = "tuned") -> str:
@@ -157,7 +159,7 @@ def narrowed(impl, case: Case, device: str, bounds: Bounds, where=None) -> Optio
 
 @st.composite
 def cases_for(draw, impl, dtype: str, backward: bool, device: str, where=None):
-    """A case ``impl`` can run on ``device``: drawn from harness.strategies (natively under the gpu and nightly
+    """A case ``impl`` can run on ``device``: drawn from ssdiff.model.strategies (natively under the gpu and nightly
     profiles, from the run's compile keys for ``impl``: properties/pooled.py), narrowed to its capabilities, and
     none that a known defect of the installed release explains."""
     cap = impl.capabilities
@@ -257,14 +259,14 @@ def usable(name: str, dtype: str, backward: bool, device: str):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_upstream_matches_oracle(upstream, pass_, dtype, device, tmp_path):
-    """Each upstream implementation agrees with the float64 oracle (harness/verdict.py). A float32 case out of
-    budget on a GPU under TF32 and within it replayed with exact float32 dots (harness/tf32.py) is TF32's loss: the
+    """Each upstream implementation agrees with the float64 oracle (harness/verdict/judge.py). A float32 case out of
+    budget on a GPU under TF32 and within it replayed with exact float32 dots (harness/investigate/tf32.py) is TF32's loss: the
     property goes on, and ends as an expected failure that names those cases."""
     backward = pass_ == "backward"
     impl = usable(upstream, dtype, backward, device)
     whole = whole_pass_known(upstream, backward, dtype)
     if whole:
-        pytest.skip(f"every case of this pass is known defect {whole} (harness/known.py; pinned by "
+        pytest.skip(f"every case of this pass is known defect {whole} (harness/registry/known.py; pinned by "
                     f"test_known_defect_reproduces)")
     n = examples(cpu=12 if quick(upstream) else (2 if backward else 3), gpu=6)
     examiner = Examiner([impl.name], device)
@@ -407,7 +409,7 @@ def test_seed_647_oracle_agrees_with_combined(device):
     combined_agrees()
 
 
-# ---- known upstream defects (harness/known.py) -----------------------------------------------------------
+# ---- known upstream defects (harness/registry/known.py) -----------------------------------------------------------
 
 def release_lacks(impl, case: Case) -> Optional[str]:
     """The installed mamba_ssm release has no such feature (varlen states, seq_idx = -1 padding): why, or None."""
@@ -598,13 +600,13 @@ BOUNDED_RECORDS = [
 
 @pytest.mark.parametrize("defect_id, case, fine", BOUNDED_RECORDS)
 def test_a_record_that_bounds_its_error_explains_no_more_than_that(defect_id, case, fine, device, tmp_path):
-    """A record that bounds its error on a case (harness/known.py: the fla gate-sum record's running_gate_sum_error,
+    """A record that bounds its error on a case (harness/registry/known.py: the fla gate-sum record's running_gate_sum_error,
     the ssd_minimal and chunk_scan_ref records' decay_sum_error): a divergence of the implementation as it is, in
     the gradients the record corrupts, is the record's; the same run with its gradient of A doubled, or of x half as
     large again, is not (under the interpreter, nor one of A ``fine`` off where given), and `ssdiff fuzz` and the
     calibration count it as a divergence of its own."""
-    from harness.calibrate import Row
-    from harness.fuzz import FuzzConfig, Fuzzer
+    from ssdiff.tools.calibrate import Row
+    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
 
     defect = known.BY_ID[defect_id]
     side = defect.implementations[0]
@@ -806,7 +808,7 @@ def test_cases_outside_capabilities_are_skipped_with_the_reason(device):
 
 def test_stand_ins_are_named_in_results(device):
     mixer = usable("mamba_ssm.split_conv1d_combined", "float32", False, device)
-    from harness import upstream
+    from ssdiff.sides import upstream
     case = Case(entry="split_conv1d", nheads=2, headdim=4, dstate=4, seqlen=8)
     notes = mixer.run(case, materialize(case, device)).notes
     assert any(upstream.mamba_ssm().version in note_ for note_ in notes)
@@ -833,7 +835,7 @@ def test_stage_intermediates_match_the_oracle(device):
 
 def test_list_shows_every_implementation_and_why_not():
     pytest.importorskip("rich", reason="the ssdiff CLI prints with rich, which is not installed here")
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "list"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ssdiff.cli", "list"], capture_output=True, text=True,
                          cwd=REPO, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr
     for name in upstream_names():

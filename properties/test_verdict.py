@@ -1,4 +1,4 @@
-"""The noise-floor verdict (harness/verdict.py) and the same-precision baseline it is built on (harness/baseline.py).
+"""The noise-floor verdict (harness/verdict/judge.py) and the same-precision baseline it is built on (harness/budget/baseline.py).
 
 Healthy implementations are within budget on generated cases; an error planted at one element is reported
 with the exact ratio, count and place; NaN/Inf, wrong shape, wrong dtype and missing results are verdicts of
@@ -14,15 +14,18 @@ import pytest
 import torch
 from hypothesis import given
 
-from harness import baseline, doubles, runtime, widen
-from harness.axes import TensorAxes, axes_of
-from harness.case import Case, Regime
-from harness.evaluation import Evaluation
-from harness.inputs import materialize
-from harness.localize import fit_case
-from harness.oracle import evaluate
-from harness.strategies import Bounds, cases
-from harness.verdict import FACTOR, UNIT_ROUNDOFF, cells, disagreement, element_budget, judge, judge_tensor
+from ssdiff.budget import baseline
+from ssdiff.sides import doubles
+from ssdiff import runtime
+from ssdiff.inputs import widen
+from ssdiff.model.axes import TensorAxes, axes_of
+from ssdiff.model.case import Case, Regime
+from ssdiff.model.evaluation import Evaluation
+from ssdiff.inputs import materialize
+from ssdiff.investigate.localize import fit_case
+from ssdiff.truth import evaluate
+from ssdiff.model.strategies import Bounds, cases
+from ssdiff.verdict.judge import FACTOR, UNIT_ROUNDOFF, cells, disagreement, element_budget, judge, judge_tensor
 from properties.test_upstream import usable
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
@@ -370,7 +373,7 @@ def assert_within_budget(name: str, case: Case, device):
     return verdict
 
 
-# The scan's output stored in the case dtype before the gated RMSNorm (harness/baseline.py, `_mixer`): found by
+# The scan's output stored in the case dtype before the gated RMSNorm (harness/budget/baseline.py, `_mixer`): found by
 # the CPU calibration, where 19 fp16 backward cases of one token with a 2-wide norm group were 2-613x their budget
 # in the gradients of D, dt_bias, A and the conv, mamba_split_conv1d_scan_combined, its ref and ssdiff's kernel
 # agreeing bit for bit (the norm's cancellation amplifies the store's rounding); this one was 135x.
@@ -384,7 +387,7 @@ def test_the_scan_output_stored_before_the_norm_is_in_the_mixer_budget(name, dev
     assert_within_budget(name, NORM_STORE_CASE, device)
 
 
-# The z gate's backward reads the pre-gate output as the forward stored it, in the case dtype (harness/baseline.py,
+# The z gate's backward reads the pre-gate output as the forward stored it, in the case dtype (harness/budget/baseline.py,
 # `Rounding.gate`): found by an H200 campaign of mamba_ssm's Mamba2 (mem-eff path, no norm, float16, dt > 20,
 # scale 4), whose gradients of u and in_proj were Inf at a token where the pre-gate output was 70,190, beyond
 # float16's 65,504, while the model had kept it in float32 and judged them finite. mamba_ssm saves that output in

@@ -2,14 +2,14 @@
 that matter for serving.
 
 What this file checks:
-- the chunk-metadata builder (harness/chunk_metadata.py) agrees with vLLM's own on random batches (computed
+- the chunk-metadata builder (harness/sides/chunk_metadata.py) agrees with vLLM's own on random batches (computed
   tokens and empty requests included) and refuses bad input with one line naming it;
 - vllm.chunk_scan_combined_varlen, vllm.chunked_prefill and vllm.selective_state_update agree with the oracle on
   generated cases within their capabilities, under a drawn autotune config;
 - chunked prefill with carried states equals one prefill (judged against the oracle of the whole case);
 - the intermediate (prefix-cache) states equal the oracle's state at each logical chunk end;
 - a sequence's outputs do not depend on its neighbours in the pack, an empty neighbour included (bitwise, under
-  one autotune config: harness/serving.py says why that is the right strength);
+  one autotune config: harness/sides/adapters/serving.py says why that is the right strength);
 - the result does not depend on the autotune config: every config of every kernel is within budget;
 - the final states written into slots of a state cache (final_states_out, final_state_indices) are the
   returned ones and touch no other slot; a decode row at the null block is skipped and touches nothing;
@@ -17,7 +17,7 @@ What this file checks:
   chunk, an output that reads its neighbours, a config that corrupts an element) fails it;
 - how vLLM was loaded (`ssdiff list`, the stand-ins), and the extraction script for offline GPU runners.
 
-Divergence has one definition: harness/verdict.py's `judge` (through harness.examine.Examiner where a Case
+Divergence has one definition: harness/verdict/judge.py's `judge` (through ssdiff.examine.Examiner where a Case
 describes the call). No tolerance lives here.
 """
 
@@ -34,19 +34,20 @@ import torch
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
-from harness import runtime
+from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from harness import serving, upstream_vllm  # noqa: E402
-from harness.case import Case, Regime  # noqa: E402
-from harness.chunk_metadata import ChunkMetadataError, chunk_metadata  # noqa: E402
-from harness.evaluation import Evaluation  # noqa: E402
-from harness.examine import Examiner  # noqa: E402
-from harness.impls import get, register  # noqa: E402
-from harness.impls.vllm import ChunkScanCombinedVarlen, pack, run_varlen  # noqa: E402
-from harness.inputs import materialize  # noqa: E402
-from harness.strategies import Bounds  # noqa: E402
+from ssdiff.sides import upstream_vllm  # noqa: E402
+from ssdiff.sides.adapters import serving
+from ssdiff.model.case import Case, Regime  # noqa: E402
+from ssdiff.sides.chunk_metadata import ChunkMetadataError, chunk_metadata  # noqa: E402
+from ssdiff.model.evaluation import Evaluation  # noqa: E402
+from ssdiff.examine import Examiner  # noqa: E402
+from ssdiff.sides.registry import get, register  # noqa: E402
+from ssdiff.sides.adapters.vllm import ChunkScanCombinedVarlen, pack, run_varlen  # noqa: E402
+from ssdiff.inputs import materialize  # noqa: E402
+from ssdiff.model.strategies import Bounds  # noqa: E402
 from properties.test_upstream import (CONFIGS, SETTINGS, agrees_with_oracle, assert_agrees, cases_for,  # noqa: E402
                                       examples, replay, usable)
 
@@ -371,7 +372,7 @@ def test_vllm_loads_without_its_init_and_says_what_it_stood_in():
 
 
 def test_block_size_boundaries_come_from_vllms_autotune_configs(device):
-    from harness.tiling import autotuned, boundaries
+    from ssdiff.sides.tiling import autotuned, boundaries
 
     release()
     kernels = {name for name, _ in autotuned(get(PREFILL).kernel_modules())}
@@ -382,7 +383,7 @@ def test_block_size_boundaries_come_from_vllms_autotune_configs(device):
 
 
 def test_ssdiff_list_shows_the_vllm_implementations_and_the_sglang_line():
-    result = subprocess.run([sys.executable, "-m", "harness.cli", "list"], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "ssdiff.cli", "list"], cwd=REPO, capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, COLUMNS="200"))
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -392,16 +393,16 @@ def test_ssdiff_list_shows_the_vllm_implementations_and_the_sglang_line():
 
 
 def test_the_extracted_files_alone_run_the_adapters(tmp_path, device):
-    """harness/extract_vllm.py copies only what the adapters import; with nothing else on the path (the installed
+    """harness/sides/extract_vllm.py copies only what the adapters import; with nothing else on the path (the installed
     wheel shadowed), both adapters load from the copy and agree with the oracle."""
     rel = release()
-    from harness import extract_vllm
+    from ssdiff.sides import extract_vllm
 
     written = extract_vllm.extract(rel.location, tmp_path / "vllm-ops")
     total = sum(f.stat().st_size for f in written)
     assert total < 8 * 2 ** 20, f"{total} bytes extracted"
-    script = ("import sys; from harness import runtime; runtime.configure()\n"
-              "from harness import upstream_vllm; from harness.examine import Examiner; from harness.case import Case\n"
+    script = ("import sys; from ssdiff import runtime; runtime.configure()\n"
+              "from ssdiff.sides import upstream_vllm; from ssdiff.examine import Examiner; from ssdiff.model.case import Case\n"
               "rel = upstream_vllm.vllm(); print(rel.location)\n"
               f"ex = Examiner(['{PREFILL}', '{STEP}'], '{device}')\n"
               "assert ex.examine(Case(seqlen=12, segments=((5, 7),))).verdicts['" + PREFILL + "'].ok\n"
@@ -422,10 +423,10 @@ def test_sglang_says_in_one_line_why_it_is_not_driven():
 def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_path, device):
     """A chunked-prefill runner that forgets the carried state, on vLLM's real kernel: a short campaign finds it,
     the minimizer shrinks it, and the repro (reaching the side through ssdiff) exits non-zero."""
-    from harness.fuzz import FuzzConfig, Fuzzer
+    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
 
     usable(CHUNKED, "float32", False, device)
-    spec = "harness.doubles:chunked_prefill_without_state"
+    spec = "ssdiff.sides.doubles:chunked_prefill_without_state"
     config = FuzzConfig(impl=spec, out_dir=str(tmp_path), device=device, report_dir=None, max_time=None,
                         max_examples=40, seed=3, dtypes=("float32",), entry="chunk_scan",
                         bounds=Bounds(max_batch=2, max_seqlen=16, max_nheads=2, max_headdim=4, max_dstate=4,
@@ -447,7 +448,7 @@ def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_pat
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
 
 
-# vLLM 0.33.0 (observed by ssdiff; no Case expresses an empty sequence, so it is no harness/known.py record): for a
+# vLLM 0.33.0 (observed by ssdiff; no Case expresses an empty sequence, so it is no harness/registry/known.py record): for a
 # request without new tokens whose computed tokens fill whole chunks, the chunk-metadata builder emits no chunk and
 # names the last chunk emitted before it as its last; the returned final states (states[last_chunk_indices]) then
 # give it its predecessor's state (or, first in the pack, the pack's last chunk's), while the fused state-cache

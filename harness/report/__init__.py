@@ -1,7 +1,7 @@
 """HTML divergence reports: one self-contained page per run (verdict tables, error heatmaps, the error along
 the sequence, the stage and feature localization, the cases, the repro, the environment) and an index of runs.
 
-    from harness.report import render_run
+    from ssdiff.report import render_run
     render_run("ssdiff-out/fuzz-20250101-120000")     # -> reports/fuzz-20250101-120000/index.html
 
 Modules: maps (compact error maps from verdicts; what a fuzz run saves as error_maps.json), plots (matplotlib,
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 
 def render_run(run_dir, reports_root=None, **kwargs):
-    from harness.report.render import render_run as _render_run
+    from ssdiff.report.render import render_run as _render_run
 
     return _render_run(run_dir, reports_root, **kwargs)
 
 
 def render_index(reports_root=None):
-    from harness.report.render import render_index as _render_index
+    from ssdiff.report.render import render_index as _render_index
 
     return _render_index(reports_root)
 
 
 def default_reports_root() -> str:
-    from harness.report.render import default_reports_root as _default
+    from ssdiff.report.render import default_reports_root as _default
 
     return _default()
 

@@ -30,7 +30,8 @@ def _importable(module: str) -> bool:
 
 def environment(device: Optional[str] = None) -> dict:
     """Versions (None: not installed), the device in words, the runtime line, and the stand-ins in use."""
-    from harness import runtime, standins
+    from ssdiff import runtime
+    from ssdiff.sides import standins
 
     versions = {label: _version(dist) for label, dist in PACKAGES}
     versions["python"] = platform.python_version()
@@ -46,9 +47,9 @@ def environment(device: Optional[str] = None) -> dict:
         device_words = f"{device_words}: {platform.processor() or platform.machine()}"
     stand_ins = {name: standins.NOTES[name] for name in EXTENSIONS if not _importable(name)}
     if "vllm.model_executor.layers.mamba.ops.ssd_combined" in sys.modules:
-        # vLLM's ops were loaded by harness.upstream_vllm in this process (perhaps from an extraction with no
+        # vLLM's ops were loaded by ssdiff.sides.upstream_vllm in this process (perhaps from an extraction with no
         # distribution metadata): its release and module stand-ins are what ran.
-        from harness import upstream_vllm
+        from ssdiff.sides import upstream_vllm
 
         rel = upstream_vllm.vllm()
         versions["vllm"] = rel.version

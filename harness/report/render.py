@@ -21,11 +21,11 @@ from typing import Optional
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from harness.case import Case, CaseError
-from harness.features import BY_KEY
-from harness.oracle.result import STAGE_ORDER
-from harness.store import RunError, read_run
-from harness.tf32 import LIMIT as TF32_LIMIT
+from ssdiff.model.case import Case, CaseError
+from ssdiff.model.features import BY_KEY
+from ssdiff.model.stages import STAGE_ORDER
+from ssdiff.store import RunError, read_run
+from ssdiff.investigate.tf32 import LIMIT as TF32_LIMIT
 
 MAX_GRADIENT_MAPS = 4          # per side and divergence: the worst diverging gradients get a heatmap
 # Inline images of one page, shared equally by its divergences (the 5 MB page limit, less room for text).
@@ -89,7 +89,7 @@ def fmt_num(x) -> str:
 
 def ratio_style(x) -> str:
     """Inline background for a ratio cell, on the heatmaps' colour scale."""
-    from harness.report.plots import ratio_colour
+    from ssdiff.report.plots import ratio_colour
 
     x = _as_float(x)
     if x is None:
@@ -167,7 +167,7 @@ def _stage_table(side_loc: dict) -> Optional[dict]:
     stages = (side_loc or {}).get("stages")
     if stages is None:
         return None
-    from harness.localize import STAGE_WORDS
+    from ssdiff.investigate.localize import STAGE_WORDS
 
     first, exposed = stages.get("first"), stages.get("exposed") or []
     names = [s for s in STAGE_ORDER if s in exposed or s == first]
@@ -231,7 +231,7 @@ def _figures(side: str, verdict: dict, maps: Optional[dict], case: Optional[dict
     """The heatmaps and sequence plots of one side's diverging tensors: the first divergent stage when its map
     was saved (the localization's staged re-run), the outputs (head x chunk, by group, along the sequence),
     then the worst gradients (head x chunk)."""
-    from harness.report import plots
+    from ssdiff.report import plots
 
     out = {"available": maps is not None, "figures": [], "skipped": [], "over_budget": []}
     if maps is None:
@@ -386,7 +386,7 @@ def build_page(run: dict, name: str) -> dict:
 # ---- writing ---------------------------------------------------------------------------------------------
 
 def _jinja() -> Environment:
-    env = Environment(loader=PackageLoader("harness.report", "templates"),
+    env = Environment(loader=PackageLoader("ssdiff.report", "templates"),
                       autoescape=select_autoescape(["html", "j2"], default_for_string=True, default=True),
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["ratio"] = fmt_ratio

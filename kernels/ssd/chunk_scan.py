@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ssd import configs
-from kernels.ssd.common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
+from . import configs
+from .common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
 
 G16 = configs.GRANULE
 

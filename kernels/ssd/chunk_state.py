@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ssd import configs
-from kernels.ssd.common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
+from . import configs
+from .common import idx64, in_chunk, last_in_chunk, load_seq, seq_bounds, tile_major
 
 
 @triton.heuristics({"HAS_SEQ_IDX": lambda a: a["seq_idx"] is not None})

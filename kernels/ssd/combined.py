@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from kernels.ssd.bmm import ssd_bmm_fwd, ssd_dB_bwd, ssd_dC_bwd
-from kernels.ssd.chunk_scan import ssd_chunk_scan_fwd, ssd_dcb_ddA_bwd, ssd_dx_bwd, ssd_gate_bwd
-from kernels.ssd.chunk_state import ssd_chunk_state_fwd, ssd_dstates_bwd, ssd_varlen_states_fwd
-from kernels.ssd.cumsum import ssd_cumsum_bwd, ssd_cumsum_fwd
-from kernels.ssd.state_passing import ssd_state_passing_bwd, ssd_state_passing_fwd
+from .bmm import ssd_bmm_fwd, ssd_dB_bwd, ssd_dC_bwd
+from .chunk_scan import ssd_chunk_scan_fwd, ssd_dcb_ddA_bwd, ssd_dx_bwd, ssd_gate_bwd
+from .chunk_state import ssd_chunk_state_fwd, ssd_dstates_bwd, ssd_varlen_states_fwd
+from .cumsum import ssd_cumsum_bwd, ssd_cumsum_fwd
+from .state_passing import ssd_state_passing_bwd, ssd_state_passing_fwd
 
 
 # ---- the stages in order -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Autotune configurations of every kernel, and how block sizes are fitted to a problem.
 
 Every kernel is a ``triton.autotune`` over a short list below. Which configuration runs is decided by
-harness.runtime (its patch of triton's Autotuner): "tuned" benchmarks them on a GPU (the first one in the
+ssdiff.runtime (its patch of triton's Autotuner): "tuned" benchmarks them on a GPU (the first one in the
 interpreter), an integer index forces configuration ``index % n`` of every kernel, and ``runtime.sweep``
 walks indices until every configuration of every kernel has run — some bugs live in one configuration only
 (a mask that is wrong only when a tile straddles the chunk end...).
@@ -26,7 +26,7 @@ def _c(num_warps=4, num_stages=2, **blocks) -> triton.Config:
 
 # name -> (configs, {block constexpr: problem dimension it tiles (an argument name)})
 # The first config of each list is the one an H200 picked from a wide grid at (b, L, h, p, n, g) =
-# (2, 16384, 128, 64, 128, 8), bf16, chunk 256 (``python -m harness.kernel_tune --wide``); the interpreter runs
+# (2, 16384, 128, 64, 128, 8), bf16, chunk 256 (``python -m ssdiff.tools.kernel_tune --wide``); the interpreter runs
 # it by default too. The small ones are there for the sweep: tiles that straddle chunk, sequence and tensor
 # edges.
 CONFIGS = {
@@ -86,7 +86,7 @@ def fitter(name: str):
     return fit
 
 
-# name -> the Autotuner objects built from CONFIGS[name] (harness.kernel_tune swaps their config lists)
+# name -> the Autotuner objects built from CONFIGS[name] (ssdiff.tools.kernel_tune swaps their config lists)
 TUNERS: dict = {}
 
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ssd import configs
-from kernels.ssd.common import softplus
+from . import configs
+from .common import softplus
 
 
 @configs.autotune("cumsum", key=["H", "Q", "DT_SOFTPLUS"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ssd.combined import ssd_chunk_scan_combined
+from .combined import ssd_chunk_scan_combined
 
 
 def causal_conv1d(xBC, weight, bias, seq_idx=None, activation="silu"):

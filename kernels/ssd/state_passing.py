@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ssd import configs
-from kernels.ssd.common import last_in_chunk, seq_bounds
+from . import configs
+from .common import last_in_chunk, seq_bounds
 
 
 @triton.jit

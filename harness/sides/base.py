@@ -1,0 +1,106 @@
+"""What an implementation is to the harness: a name, its capabilities, and a forward function.
+
+An adapter subclasses `Implementation` and writes `forward(case, tensors, inputs)`, which calls the code under
+test and returns its outputs (and, when it can, stage intermediates in the layout of
+harness/model/stages.py). The shared `run` does the rest: builds native tensors in the case's layout,
+differentiates for backward cases, and collects everything into an `Evaluation` (harness/model/evaluation.py). A case outside the capabilities is
+skipped with the reason (`Implementation.skip_reason`), never reshaped to fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ssdiff.model.case import Case
+from ssdiff.model.evaluation import Evaluation, evaluate_graph
+from ssdiff.model.features import present
+from ssdiff.inputs import Inputs
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """entries: entry points it runs; dtypes / devices ("cpu", "cuda"); backward: has gradients;
+    unsupported: keys of the case features (harness/model/features.py) it cannot express; stages: the stage
+    intermediates it exposes; limits: extra checks, each ``case -> reason or None``."""
+
+    entries: frozenset = frozenset({"chunk_scan"})
+    dtypes: frozenset = frozenset({"float32", "float16", "bfloat16"})
+    devices: frozenset = frozenset({"cpu", "cuda"})
+    backward: bool = True
+    unsupported: frozenset = frozenset()
+    stages: tuple = ()
+    limits: tuple = ()
+
+
+class Implementation:
+    """Subclass and set ``name``, ``description``, ``capabilities``; write ``forward``."""
+
+    name: str = ""
+    description: str = ""
+    capabilities: Capabilities = Capabilities()
+    # The order its scan evaluates in: "chunked" (the baseline's model, harness/budget/baseline.py) or "recurrent"
+    # (token by token: the evidence adds the model in the token order, whose rounding grows with the tokens a state
+    # carries, as a token recurrence's does; harness/examine.py).
+    evaluation_order: str = "chunked"
+
+    def unavailable(self) -> Optional[str]:
+        """Why this implementation cannot run in this environment (missing package...), or None."""
+        return None
+
+    def kernel_modules(self) -> tuple:
+        """The modules (or their names) defining the Triton kernels it launches: their autotune configs give
+        the block-size boundaries the search draws at (harness/sides/tiling.py). Empty without Triton kernels."""
+        return ()
+
+    def refuses(self, backward: bool, device: str, dtype: Optional[str] = None) -> Optional[str]:
+        """Why a whole pass (in ``dtype``, when given) is refused on ``device`` whatever the case — a
+        version/hardware guard of the code under test, or a limit that no case of the pass escapes — or None.
+        Properties skip such a pass with this reason instead of drawing cases for it."""
+        return None
+
+    def skip_reason(self, case: Case, device: str) -> Optional[str]:
+        """Why ``case`` is outside this implementation's capabilities on ``device``, or None."""
+        why = self.unavailable() or self.refuses(case.backward, device, case.dtype)
+        if why:
+            return why
+        cap = self.capabilities
+        kind = torch.device(device).type
+        if case.entry not in cap.entries:
+            return f"{self.name} does not implement entry point {case.entry!r}"
+        if case.dtype not in cap.dtypes:
+            return f"{self.name} does not run {case.dtype} on this runtime"
+        if kind not in cap.devices:
+            return f"{self.name} needs a {'GPU' if 'cuda' in cap.devices else 'CPU'} (device {kind!r} given)"
+        if case.backward and not cap.backward:
+            return f"{self.name} has no backward"
+        missing = sorted(present(case) & cap.unsupported)
+        if missing:
+            return f"{self.name} cannot express: {', '.join(missing)}"
+        for limit in cap.limits:
+            why = limit(case)
+            if why:
+                return why
+        if self.evaluation_order == "recurrent" and case.entry == "chunk_scan":
+            from ssdiff.budget.baseline import token_model_too_large
+
+            why = token_model_too_large(case)
+            return f"{self.name}: {why}" if why else None
+        return None
+
+    def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
+        """Call the code under test on ``tensors`` (native dtypes, the case's layout). When ``want_stages``,
+        also fill ``Evaluation.stages`` with whatever stage intermediates it can expose (oracle layout)."""
+        raise TypeError(f"{type(self).__name__} must define forward() or run()")
+
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
+        """Forward (and for backward cases, gradients of every differentiable input)."""
+        tensors = inputs.native(requires_grad=case.backward)
+        return evaluate_graph(case, inputs, tensors, lambda: self.forward(case, tensors, inputs, want_stages))
+
+
+def limit(check: Callable[[Case], bool], reason: str) -> Callable[[Case], Optional[str]]:
+    """A capability limit: ``reason`` when ``check(case)`` is true."""
+    return lambda case: reason if check(case) else None
