@@ -135,23 +135,6 @@ def cmd_report(args) -> int:
     return status
 
 
-def progress_text(state: dict, max_time=None, max_examples=None) -> str:
-    """The fuzz progress line from a campaign's progress state (`Fuzzer._progress`; `ssdiff fuzz --jobs` merges
-    its jobs' states into one): cases, skips, rate, the largest ratio per dtype, divergences, known defects and
-    the budget spent."""
-    budget = []
-    if max_time is not None:
-        budget.append(f"{state.get('elapsed', 0.0):.0f}/{max_time:.0f} s")
-    if max_examples is not None:
-        budget.append(f"{state['tried']}/{max_examples} cases")
-    if state.get("ahead") and state["ahead"][0] < state["ahead"][1]:
-        budget.append(f"compiled ahead {state['ahead'][0]}/{state['ahead'][1]}")
-    worst = " ".join(f"{d} {w['ratio']:.3g}x" for d, w in sorted(state["worst"].items())) or "-"
-    known_text = f" | known {state['known']}" if state.get("known") else ""
-    return (f"cases {state['tried']} (skipped {state['skipped']}; {state.get('per_minute', 0):.0f}/min) | "
-            f"worst ratio to budget: {worst} | divergences {state['divergences']}{known_text} | {', '.join(budget)}")
-
-
 def cmd_fuzz(args) -> int:
     """Fuzz an implementation against another (or the oracle); exit 1 on a divergence, 0 on none, 2 on bad usage.
     `ssdiff demo` runs it on the built-in default target (DEMO below) with a short budget."""
@@ -161,6 +144,7 @@ def cmd_fuzz(args) -> int:
     from rich.text import Text
 
     from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
+    from ssdiff.campaign.progress import progress_text
     from ssdiff.model.strategies import Bounds
 
     demo = args.command == "demo"
@@ -306,7 +290,7 @@ def cmd_fuzz(args) -> int:
 
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,
-# forward only, until the seed divergence (SPEC.md section 2) is found or the time budget is spent.
+# forward only, until the seed divergence (harness/truth/README.md, "The fused mixer") is found or the time budget is spent.
 # The seed divergence is a known defect (harness/registry/known.py); the demo finds it unaided (--known ignore).
 DEMO = {"impl": "mamba_ssm.split_conv1d_combined", "against": "mamba_ssm.split_conv1d_ref", "max_time": 120.0,
         "pass_": "forward", "known": "ignore"}
@@ -395,6 +379,7 @@ def cmd_minimize(args) -> int:
 
     from ssdiff.model.case import Case
     from ssdiff.investigate.minimize import NotDiverging, minimize
+    from ssdiff.registry import known
 
     path = Path(args.case)
     case = Case.load(path)
@@ -427,7 +412,7 @@ def cmd_minimize(args) -> int:
         console.print("did not matter (removed): " + ", ".join(result.irrelevant()), highlight=False)
     for v in result.outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
-    for line in known_lines(result.outcome):
+    for line in known.known_lines(result.outcome):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     for f in result.files:
         console.print(f"-> {f}", highlight=False, soft_wrap=True)
@@ -440,6 +425,7 @@ def cmd_replay(args) -> int:
 
     from ssdiff.model.case import Case
     from ssdiff.investigate.minimize import replay
+    from ssdiff.registry import known
     from ssdiff.store import stored_verdicts
 
     path = Path(args.case)
@@ -450,7 +436,7 @@ def cmd_replay(args) -> int:
     console.print(case.describe(), highlight=False, soft_wrap=True)
     for v in outcome.verdicts.values():
         console.print(v.message(), highlight=False, markup=False, soft_wrap=True)
-    for line in known_lines(outcome):
+    for line in known.known_lines(outcome):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     stored = stored_verdicts(path)
     if stored:
@@ -465,25 +451,6 @@ def cmd_replay(args) -> int:
         console.print("reproduces the stored verdict exactly" if same else "DIFFERS from the stored verdict",
                       highlight=False)
     return 1 if outcome.diverged else 0
-
-
-def known_lines(outcome) -> list:
-    """What the known-defect registry (harness/registry/known.py) says of each diverging side of ``outcome``: the defect
-    of the installed release that explains the divergence, or the one whose domain the case lies in while the
-    divergence is more than that defect accounts for (a finding of its own, as `ssdiff fuzz` would report it)."""
-    from ssdiff.registry import known
-
-    lines = []
-    for side, verdict in outcome.verdicts.items():
-        defect = None if verdict.ok else known.matching(side, outcome.case)
-        if defect is None:
-            continue
-        if known.explains(defect, side, outcome):
-            lines.append(f"{side}: known defect {defect.id} ({defect.releases}; {defect.status}): {defect.statement}")
-        else:
-            lines.append(f"{side}: the case lies in known defect {defect.id}'s domain, but the divergence is more "
-                         f"than it accounts for: a new finding")
-    return lines
 
 
 def _config_choice(text: str):

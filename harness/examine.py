@@ -24,14 +24,15 @@ from typing import Optional
 
 import torch
 
-from ssdiff.budget import baseline
+from ssdiff.budget.samples import evaluate_samples, neighbours_of, token_model_too_large
 from ssdiff.inputs import huge
-from ssdiff import truth as oracle
+from ssdiff import truth
 from ssdiff import runtime
 from ssdiff.inputs import widen
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.inputs import Inputs, materialize
+from ssdiff.sides.base import fit_case
 from ssdiff.sides.runner import InProcessRunner, IsolatedRunner, resolve
 from ssdiff.verdict.judge import FACTOR, RUN_FAILURES, disagreement, failed_run, judge, severity
 
@@ -133,7 +134,7 @@ class Examiner:
     ``top`` largest ratios (`verdict.judge`). ``oracle_evaluations`` / ``baseline_evaluations`` count the
     evidence evaluated (one of each per distinct case while it is kept)."""
 
-    def __init__(self, sides, device: str, oracle_name: str = oracle.DEFAULT_ORACLE, factor: float = FACTOR,
+    def __init__(self, sides, device: str, oracle_name: str = truth.DEFAULT_ORACLE, factor: float = FACTOR,
                  isolate: bool = False, timeout: float = 300.0, top: int = 0):
         self.sides = list(dict.fromkeys(sides))
         self.device = device
@@ -176,7 +177,7 @@ class Examiner:
 
     def oracle_at(self, case: Case, inputs: Inputs) -> Evaluation:
         """The oracle on ``inputs`` (what the baseline's neighbour samples are measured against)."""
-        return oracle.evaluate(case, inputs, self.oracle_name)
+        return truth.evaluate(case, inputs, self.oracle_name)
 
     def evidence(self, case: Case, inputs: Optional[Inputs] = None) -> Evidence:
         """The case's inputs, truth and baseline samples: evaluated on first use, then kept. ``inputs``: a huge
@@ -191,15 +192,15 @@ class Examiner:
         after_inputs = self._synchronized()
         self.oracle_evaluations += 1
         # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
-        near = baseline.neighbours_of(inputs)
+        near = neighbours_of(inputs)
         truth, *at_near = widen.evaluate(self.oracle_at, judged, [inputs, *near])
         after_oracle = self._synchronized()
         self.baseline_evaluations += 1
-        samples = baseline.evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
+        samples = evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
         if self.recurrent and judged.entry == "chunk_scan":
             # a side evaluates token by token: the model in that order too (its stages have other layouts; a case
             # too large for it is outside such a side's reach, Implementation.skip_reason)
-            token = baseline.evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
+            token = evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
                                               at_neighbours=(near, at_near), order="recurrent")
             samples += [Evaluation(e.outputs, e.grads) for e in token]
         self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
@@ -224,13 +225,23 @@ class Examiner:
     # ---- cases -------------------------------------------------------------------------------------------
 
     def fit(self, case: Case) -> Optional[Case]:
-        """``case`` with what a side cannot express switched off, or None (ssdiff.investigate.localize.fit_case)."""
-        from ssdiff.investigate.localize import fit_case
-
-        return fit_case(case, list(self.impls.values()), self.device)
+        """``case`` with what a side cannot express switched off, or None (ssdiff.sides.base.fit_case)."""
+        fitted = fit_case(case, list(self.impls.values()), self.device)
+        return fitted if fitted is not None and self.evidence_limit(fitted) is None else None
 
     def skip_reasons(self, case: Case) -> list:
-        return [why for why in (impl.skip_reason(case, self.device) for impl in self.impls.values()) if why]
+        """Why a side cannot take ``case``, or why its evidence cannot be built here (empty: it can be examined)."""
+        reasons = [why for why in (impl.skip_reason(case, self.device) for impl in self.impls.values()) if why]
+        return reasons + ([self.evidence_limit(case)] if self.evidence_limit(case) else [])
+
+    def evidence_limit(self, case: Case) -> Optional[str]:
+        """Why the budget cannot be built for ``case`` here, or None: a side that evaluates token by token is
+        budgeted by the model in the token order too, which holds every token's state."""
+        if not self.recurrent or case.entry != "chunk_scan":
+            return None
+        why = token_model_too_large(case)
+        return f"{', '.join(s for s, i in self.impls.items() if i.evaluation_order == 'recurrent')}: {why}" if why \
+            else None
 
     def examine(self, case: Case, choice="tuned", stages: bool = False, sides=None) -> Outcome:
         """Run every side (or ``sides``) on ``case`` under autotune ``choice`` and judge each against the oracle;
@@ -287,18 +298,16 @@ class Examiner:
         drawn = self._synchronized() - start
         verdicts, results, launches, runs = {}, {}, {}, {}
         for spec in sides:
-            index, needed = (0 if choice == "sweep" else choice), 1     # "sweep": every config index
-            while True:
+            sweep = runtime.ConfigSweep() if choice == "sweep" else [choice]
+            for index in sweep:
                 run = self.runner.run(spec, case, whole, False, index)
                 _raise_if_oom(run)
                 self._phases["kernels"] += run.seconds
                 runs.setdefault(spec, []).append((index, run))     # its outputs at the slice (harness/sides/runner.py)
-                if choice != "sweep" or run.status != "ok":
+                if run.status != "ok":
                     break
-                needed = max([needed] + [n for _, _, n, _ in run.launches])
-                index += 1
-                if index >= needed:
-                    break
+                if choice == "sweep":
+                    sweep.ran(run.launches)
         del whole
         runtime.release_memory()
         ev = runtime.retry_on_oom(lambda: self.evidence(case, sliced), "ssdiff's evidence of a huge case's slice")
@@ -331,8 +340,9 @@ class Examiner:
 
     def _sweep(self, spec, case, ev: Evidence, stages: bool):
         """Every autotune config index of every kernel the run launches; the worst verdict."""
-        worst_v, worst_o, worst_l, index, needed = None, None, [], 0, 1
-        while index < needed:
+        worst_v, worst_o, worst_l = None, None, []
+        sweep = runtime.ConfigSweep()
+        for index in sweep:
             run = self.runner.run(spec, case, ev.inputs, stages, index)
             _raise_if_oom(run)
             if run.status != "ok":
@@ -343,20 +353,8 @@ class Examiner:
             v.notes.append(f"autotune config index {index}")
             if worst_v is None or (severity(v.status), v.ratio) > (severity(worst_v.status), worst_v.ratio):
                 worst_v, worst_o, worst_l = v, run.outputs, run.launches
-            needed = max([needed] + [n for _, _, n, _ in run.launches])
-            index += 1
+            sweep.ran(run.launches)
         return worst_v, worst_o, worst_l
-
-    def first_stage(self, case: Case, side: str, choice="tuned") -> Optional[str]:
-        """The first divergent stage of ``side`` on ``case``, when measured from stage intermediates (None
-        when it runs out of stages, fails to run, or only an inferred stage is known)."""
-        from ssdiff.investigate import localize
-
-        staged = self.examine(case, choice, stages=True, sides=[side]).verdicts[side]
-        if staged.status in RUN_FAILURES:
-            return None
-        found = localize.stages(staged)
-        return found["first"] if not found.get("inferred") else None
 
 
 def _raise_if_oom(run) -> None:

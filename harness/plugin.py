@@ -1,11 +1,12 @@
 """``pytest --ssdiff-report[=ROOT]``: the HTML report of a property run, the same page a fuzz run gets.
 
-Registered from the repository's conftest.py. With the option, every verdict a property reaches through
-`ssdiff.verdict.judge.judge` is seen (`ssdiff.verdict.judge.JUDGE_LISTENERS`); when a test fails, the last diverging
-verdict of that test is saved as a divergence (Hypothesis replays its shrunk falsifying example last, so that
-is the one saved), with its stage localization, through harness/store.py as `ssdiff fuzz` saves its own.
-At the end of the session the run is written to ROOT/pytest-<time>/ (the saved run under run/, the page as
-index.html) and ROOT/index.html is rebuilt. ROOT defaults to $SSDIFF_REPORTS, else reports/.
+Registered through the pytest11 entry point of the installed distribution, so any suite has it. With the option,
+every verdict a property reaches through `ssdiff.verdict.judge.judge` is seen
+(`ssdiff.verdict.judge.JUDGE_LISTENERS`); when a test fails, the last diverging verdict of that test is saved as a
+divergence (Hypothesis replays its shrunk falsifying example last, so that is the one saved), with its stage
+localization, through harness/store.py as `ssdiff fuzz` saves its own. At the end of the session the run is written
+to ROOT/pytest-<time>/ (the saved run under run/, the page as index.html) and ROOT/index.html is rebuilt. ROOT
+defaults to $SSDIFF_REPORTS, else reports/.
 
 Fuzz runs made by tests (ssdiff.campaign.fuzz writes a report for every run) go to ROOT as well with the option;
 without it, to a temporary folder (not the working tree) unless $SSDIFF_REPORTS is set.
@@ -179,7 +180,7 @@ class Recorder:
     def _write_summary(self, session):
         from ssdiff import runtime
         from ssdiff import store
-        from ssdiff.report.environment import environment
+        from ssdiff.sides.environment import environment
 
         o = self.outcomes
         args = " ".join(str(a) for a in self.config.invocation_params.args)

@@ -7,15 +7,15 @@ conftest.py and the upstream loader do; it is idempotent) and then asks this mod
 - `dtype_skip_reason(dtype)` / `runnable_dtypes()`: dtype gating (bf16 only on a GPU);
 - `fp32_dot()`: whether fp32 `tl.dot` is exact ("ieee") or TF32 here (what an fp32 tolerance must know);
 - `autotune(choice)`: which autotune config every Triton kernel launches with — "tuned" (the default: real
-  benchmarking on a GPU; the interpreter cannot benchmark, so there it is the first listed config), an
-  integer index (config ``i % n`` of every kernel with ``n`` configs), and `sweep(fn)` runs ``fn`` once per
-  index until every config of every kernel has run (some real bugs live in only one config);
-- `launches()`: which config each kernel launched with during the last `autotune` block;
+  benchmarking on a GPU; the interpreter cannot benchmark, so there it is the first listed config), or an
+  integer index (config ``i % n`` of every kernel with ``n`` configs); `ConfigSweep` gives the indices until
+  every config of every kernel has run (some real bugs live in only one config);
+- `launches()`: which config each kernel launched with during the last `autotune` block (`Launch` records);
 - `out_of_memory(err)`, `release_memory()`, `retry_on_oom(fn, where)`: a device that ran out of memory is a fact
   about the machine, not a verdict: the cached blocks are handed back and the step tried once more, then
   `DeviceOutOfMemory` says where it ran out (a campaign skips the case and counts it).
 
-Interpreter patches (SPEC.md section 4), installed by `configure()` only under the interpreter:
+Interpreter patches (harness/truth/README.md, "Running upstream without CUDA extensions"), installed by `configure()` only under the interpreter:
 1. ``torch.cuda.device(None | cpu device)`` is a no-op (kernels wrap launches in it);
 2. ``torch.cuda.get_device_properties(cpu device)`` answers ``multi_processor_count = sm_count()`` (backward
    kernels size their reduction splits by it; the default is the H200's 132 so CPU and GPU split alike);
@@ -316,22 +316,33 @@ def autotune(choice: Choice = "tuned"):
 
 
 def launches() -> list:
-    """The autotuned launches since the last `autotune` block began (kernel, config index, count)."""
+    """The autotuned launches since the last `autotune` block began (`Launch` records)."""
     return list(_launches)
 
 
-def sweep(fn: Callable[[int], object]) -> list:
-    """Call ``fn(index)`` inside ``autotune(index)`` for index 0, 1, ... until every config of every kernel
-    that launched has been used; returns the results in order. A kernel with n configs runs config
-    index % n, so max(n) calls cover them all."""
-    results, index, needed = [], 0, 1
-    while index < needed:
-        with autotune(index):
-            results.append(fn(index))
-            counts = [launch.nconfigs for launch in _launches]
-        needed = max([needed, *counts])
-        index += 1
-    return results
+class ConfigSweep:
+    """The config indices 0, 1, ... until every config of every autotuned kernel the runs launched has run (a
+    kernel with n configs runs config index % n, so the largest n indices cover them all), at most ``limit``.
+
+        sweep = ConfigSweep()
+        for index in sweep:
+            run = ...under autotune(index)...
+            sweep.ran(run.launches)
+    """
+
+    def __init__(self, limit: Optional[int] = None):
+        self.needed = 1
+        self.limit = limit
+
+    def __iter__(self):
+        index = 0
+        while index < self.needed and (self.limit is None or index < self.limit):
+            yield index
+            index += 1
+
+    def ran(self, launches) -> None:
+        """Note a run's launches (`Launch` records): their config counts say how many indices the sweep needs."""
+        self.needed = max([self.needed] + [launch.nconfigs for launch in launches])
 
 
 def _out_of_resources() -> tuple:

@@ -33,11 +33,11 @@ from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
 from ssdiff.sides.registry import get  # noqa: E402
-from ssdiff.inputs import TORCH_DTYPES, materialize  # noqa: E402
-from ssdiff.investigate.localize import fit_case  # noqa: E402
+from ssdiff.inputs import materialize  # noqa: E402
+from ssdiff.model.dtypes import TORCH_DTYPES, UNIT_ROUNDOFF  # noqa: E402
+from ssdiff.sides.base import fit_case  # noqa: E402
 from ssdiff.truth import evaluate, recurrent  # noqa: E402
 from ssdiff.model.strategies import Bounds, cases  # noqa: E402
-from ssdiff.verdict.judge import UNIT_ROUNDOFF  # noqa: E402
 from properties import pooled  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
 from properties.test_upstream import ONE_CONFIG  # noqa: E402

@@ -149,7 +149,7 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
     from ssdiff import examine
 
     made, truths, baselines = {}, {}, {}
-    materialize, evaluate, evaluate_samples = examine.materialize, examine.widen.evaluate, examine.baseline.evaluate_samples
+    materialize, evaluate, evaluate_samples = examine.materialize, examine.widen.evaluate, examine.evaluate_samples
 
     def counted_materialize(case, device):
         made[case] = materialize(case, device)
@@ -166,7 +166,7 @@ def test_a_campaign_evaluates_the_oracle_and_the_baseline_once_per_case(tmp_path
 
     monkeypatch.setattr(examine, "materialize", counted_materialize)
     monkeypatch.setattr(examine.widen, "evaluate", counted_evaluate)
-    monkeypatch.setattr(examine.baseline, "evaluate_samples", counted_samples)
+    monkeypatch.setattr(examine, "evaluate_samples", counted_samples)
     report = fuzz("ssdiff.sides.doubles:mask_bug", tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",),
                   minimize=True, minimize_runs=40)
     finding = only_finding(report)

@@ -11,7 +11,7 @@ Every example runs under one autotune configuration index, drawn (``runtime.auto
 ``index % n`` of each kernel), so the configurations of every kernel are swept over the examples.
 
 Judging: ssdiff.verdict.judge (the error budget is a multiple of what a same-precision model kernel,
-harness/budget/baseline.py, naturally gets wrong on the same case — the largest error over its rounding samples —
+harness/budget/, naturally gets wrong on the same case — the largest error over its rounding samples —
 plus a rounding floor; ratio <= 1 passes). No
 per-test tolerance is tuned here. fp32 in the interpreter is exact-dot, so its budgets are tight; on a GPU the
 baseline models TF32 for fp32.
@@ -30,8 +30,8 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from ssdiff.budget import baseline
-from ssdiff import truth as oracle
+from ssdiff.budget.samples import evaluate_samples
+from ssdiff import truth
 from ssdiff import runtime
 from ssdiff.model.case import Case, Regime
 from ssdiff.sides.registry import get
@@ -97,16 +97,16 @@ def _chunk_major(t_tokens: torch.Tensor, Q: int, fill_last: bool) -> torch.Tenso
 def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
     """Each stage kernel, fed upstream stages that do not come from the kernels, matches the oracle stage.
 
-    The upstream stages fed are the same-precision baseline's (harness/budget/baseline.py: float32 values, what a
+    The upstream stages fed are the same-precision baseline's (harness/budget/: float32 values, what a
     correct kernel hands on): a stage then starts from exactly the inputs the baseline's own stage started
     from, so the budget (a multiple of the baseline's error) measures this stage alone. (Fed the float64
     oracle's stages rounded to float32 instead, a stage would inherit a rounding of dA_cumsum the budget does
     not model: under strong decay exp(cs_i - cs_j) carries eps * |cs| of relative error.)"""
     inputs = materialize(case, device)
-    truth = oracle.evaluate(case, inputs)
-    bases = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
+    exact = truth.evaluate(case, inputs)
+    bases = evaluate_samples(case, inputs, exact, truth.evaluate)
     t = inputs.native()
-    st_ = truth.stages
+    st_ = exact.stages
     up = bases[0].stages                               # what is fed in: the round-to-nearest sample
     Q, L = case.chunk_size, case.seqlen
     seq_idx = inputs.seq_idx
@@ -114,7 +114,7 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
 
     def check(name, actual, kind="stage", key=None):
         key = key or name
-        pool_t = truth.outputs if kind == "output" else st_
+        pool_t = exact.outputs if kind == "output" else st_
         samples = [(b.outputs if kind == "output" else b.stages)[key] for b in bases]
         results.append(judge_tensor(f"{kind}.{name}" if kind == "stage" else name, kind, actual, pool_t[key],
                                     samples, case, inputs))
@@ -158,11 +158,11 @@ def _run_and_judge(case, index, device, want_stages=False):
     # skip the whole property on the first such draw.
     assume(impl.skip_reason(case, device) is None)
     inputs = materialize(case, device)
-    truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
+    exact = truth.evaluate(case, inputs)
+    base = evaluate_samples(case, inputs, exact, truth.evaluate)
     with runtime.autotune(index):
         out = impl.run(case, inputs, want_stages=want_stages)
-    verdict = judge(IMPL, case, inputs, out, truth, base, stages=want_stages)
+    verdict = judge(IMPL, case, inputs, out, exact, base, stages=want_stages)
     _assert_ok(verdict)
     if want_stages:
         bad = [t.message(IMPL) for t in verdict.tensors if t.kind == "stage" and not t.ok]
@@ -226,12 +226,12 @@ def test_a_rising_decay_is_computed_exactly(pass_, device):
     values["A"] = A
     inputs = dataclasses.replace(inputs, values=values)
     impl = get(IMPL)
-    truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
-    assert truth.stages["dA_cumsum"][0, -1, 0] > truth.stages["dA_cumsum"][0, 0, 0]      # it does rise
+    exact = truth.evaluate(case, inputs)
+    base = evaluate_samples(case, inputs, exact, truth.evaluate)
+    assert exact.stages["dA_cumsum"][0, -1, 0] > exact.stages["dA_cumsum"][0, 0, 0]      # it does rise
     with runtime.autotune(1):                        # small tiles: several per chunk
         out = impl.run(case, inputs)
-    _assert_ok(judge(IMPL, case, inputs, out, truth, base))
+    _assert_ok(judge(IMPL, case, inputs, out, exact, base))
 
 
 def test_dt_on_a_bound_of_its_limit_passes_its_gradient(device):
@@ -242,10 +242,10 @@ def test_dt_on_a_bound_of_its_limit_passes_its_gradient(device):
                 has_dt_bias=False, dt_softplus=False, dt_limit=(0.25, 1.0), regime=Regime(decay="mild"),
                 pass_="backward")
     inputs, on_bound = dt_on_its_bounds(case, device)
-    truth = oracle.evaluate(case, inputs)
-    assert truth.grads["dt"][on_bound].abs().min() > 0      # the oracle's gradient passes the bound
-    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
-    _assert_ok(judge(IMPL, case, inputs, get(IMPL).run(case, inputs), truth, base))
+    exact = truth.evaluate(case, inputs)
+    assert exact.grads["dt"][on_bound].abs().min() > 0      # the oracle's gradient passes the bound
+    base = evaluate_samples(case, inputs, exact, truth.evaluate)
+    _assert_ok(judge(IMPL, case, inputs, get(IMPL).run(case, inputs), exact, base))
 
 
 @pytest.mark.parametrize("entry", ["chunk_scan", "split_conv1d"])
@@ -349,10 +349,10 @@ def test_a_wrong_group_is_caught(device):
     """The judge that passes the kernels fails them when one head reads another group's B (a classic bug)."""
     case = Case(batch=1, seqlen=12, nheads=4, ngroups=2, headdim=3, dstate=4, chunk_size=4)
     inputs = materialize(case, device)
-    truth = oracle.evaluate(case, inputs)
-    base = baseline.evaluate_samples(case, inputs, truth, oracle.evaluate)
+    exact = truth.evaluate(case, inputs)
+    base = evaluate_samples(case, inputs, exact, truth.evaluate)
     impl = get(IMPL)
-    _assert_ok(judge(IMPL, case, inputs, impl.run(case, inputs), truth, base))
+    _assert_ok(judge(IMPL, case, inputs, impl.run(case, inputs), exact, base))
     wrong = inputs.native()
     B = wrong["B"].clone()
     B[:, :, 1] = B[:, :, 0]                      # heads of group 1 read group 0's B
@@ -361,4 +361,4 @@ def test_a_wrong_group_is_caught(device):
                                        D=wrong.get("D"), dt_bias=wrong.get("dt_bias"), dt_softplus=True,
                                        return_final_states=True)
     from ssdiff.model.evaluation import Evaluation
-    assert not judge(IMPL, case, inputs, Evaluation({"y": y, "final_states": final}), truth, base).ok
+    assert not judge(IMPL, case, inputs, Evaluation({"y": y, "final_states": final}), exact, base).ok

@@ -28,14 +28,14 @@ from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from ssdiff import truth as oracle  # noqa: E402
+from ssdiff import truth  # noqa: E402
 from ssdiff.registry import known
 from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
 from ssdiff.sides.registry import all_implementations, get  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
-from ssdiff.investigate.localize import fit_case  # noqa: E402
+from ssdiff.sides.base import fit_case  # noqa: E402
 from ssdiff.model.strategies import Bounds, cases  # noqa: E402
 from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
 from properties.test_upstream import ONE_CONFIG  # noqa: E402
@@ -91,12 +91,12 @@ def test_the_three_oracle_orders_agree_on_the_layer(device, case):
 @given(layer_cases(backward=False))
 def test_the_layer_oracle_is_the_mixer_oracle_on_in_projs_output(device, case):
     inputs = materialize(case, device)
-    res = oracle.evaluate(case, inputs)
+    res = truth.evaluate(case, inputs)
     t = inputs.values
     zxbcdt = torch.nn.functional.linear(t["u"], t["in_proj_weight"], t.get("in_proj_bias"))
     assert_close("in_proj", res.stages["in_proj"], zxbcdt, RTOL, case)
     bias = t.get("conv1d_bias", torch.zeros(case.conv_channels, dtype=torch.float64, device=inputs.device))
-    mix = oracle.mixer.mixer(oracle.chunked.scan, "vectorized", zxbcdt, t["conv1d_weight"], bias, t["dt_bias"],
+    mix = truth.mixer.mixer(truth.chunked.scan, "vectorized", zxbcdt, t["conv1d_weight"], bias, t["dt_bias"],
                              -torch.exp(t["A_log"]), t["D"], chunk_size=case.chunk_size, nheads=case.nheads,
                              headdim=case.headdim, ngroups=case.ngroups, dstate=case.dstate, d_nonssm=case.d_nonssm,
                              seq_idx=inputs.seq_idx, dt_limit=case.dt_limit_or_default,
@@ -164,7 +164,7 @@ def test_every_layer_computes_with_the_cases_weights(spec, device):
     inputs = materialize(case, device)
     with runtime.autotune(ONE_CONFIG):
         first = impl.run(case, inputs).y.double()
-    assert_close("y", first, oracle.evaluate(case, inputs).y, 1e-2, case)
+    assert_close("y", first, truth.evaluate(case, inputs).y, 1e-2, case)
     inputs.values["outproj_weight"] = inputs.values["outproj_weight"] * 1.1
     with runtime.autotune(ONE_CONFIG):
         second = impl.run(case, inputs).y.double()

@@ -209,7 +209,7 @@ def test_repro_exits_1_where_a_watched_element_is_out_of_its_budget(device, tmp_
 
 @pytest.mark.parametrize("side", ["fla.fused_recurrent_simple_gla", "fla.naive_recurrent_simple_gla"])
 def test_repro_writes_flas_simple_gla_out_with_the_adapters_map(side, device, tmp_path):
-    """repro.py calls fla's simple_gla kernel itself (SPEC.md section 5's map written out, no ssdiff import): on a
+    """repro.py calls fla's simple_gla kernel itself (harness/truth/README.md's simple_gla map written out, no ssdiff import): on a
     case with every feature the map carries, the side it writes is within every budget ssdiff judged the adapter
     by, so the two compute the same thing."""
     impl = usable(side, "float32", True, device)

@@ -430,7 +430,7 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path, device)
     test.write_text(
         "from ssdiff import runtime\nruntime.configure()\n"
         "from hypothesis import given, settings, strategies as st\n"
-        "from ssdiff.budget import baseline\nfrom ssdiff import truth as oracle\nfrom ssdiff.model.case import Case\n"
+        "from ssdiff.budget import samples\nfrom ssdiff import truth\nfrom ssdiff.model.case import Case\n"
         "from ssdiff.sides.doubles import group_bug\nfrom ssdiff.inputs import materialize\n"
         "from ssdiff.verdict.judge import judge\n\n"
         "@settings(max_examples=4, deadline=None, database=None, derandomize=True)\n"
@@ -438,8 +438,8 @@ def test_pytest_option_writes_the_report_of_a_failing_property(tmp_path, device)
         "def test_group_bug_matches_the_oracle(ngroups):\n"
         "    case = Case(nheads=4, ngroups=ngroups, seqlen=20, chunk_size=8)\n"
         f"    inputs = materialize(case, {device!r})\n"
-        "    v = judge(group_bug.name, case, inputs, group_bug.run(case, inputs), oracle.evaluate(case, inputs),\n"
-        "              baseline.evaluate(case, inputs))\n"
+        "    v = judge(group_bug.name, case, inputs, group_bug.run(case, inputs), truth.evaluate(case, inputs),\n"
+        "              samples.evaluate(case, inputs))\n"
         "    assert v.ok, v.message()\n")
     root = tmp_path / "reports"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q",

@@ -68,8 +68,8 @@ def examine(examiner: Examiner, case: Case, choice: runtime.Choice = "tuned", st
     """Examine ``case`` under autotune ``choice``, noting the case and the launches for replay (inside a
     hypothesis property)."""
     outcome = examiner.examine(case, choice, stages=stages)
-    launched = sorted({f"{kernel}#{index}/{count}" for side in outcome.launches.values()
-                       for kernel, index, count, _ in side})
+    launched = sorted({f"{launch.kernel}#{launch.index}/{launch.nconfigs}" for side in outcome.launches.values()
+                       for launch in side})
     if currently_in_test_context():     # elsewhere the assertion message carries the case
         note(f"{replay(case, choice)}; launches: {', '.join(launched) or 'none'}")
     return outcome
@@ -85,8 +85,8 @@ def agrees_with_oracle(examiner: Examiner, case: Case, choice: runtime.Choice = 
     that does not), but for a divergence a known defect that bounds its error accounts for (`known.explains`)."""
     outcome = examine(examiner, case, choice)
     for side, verdict in outcome.verdicts.items():
-        defect = known.matching(side, case) if not verdict.ok else None
-        if defect is not None and defect.bounds(case) and known.explains(defect, side, outcome):
+        defect = known.explanation(side, outcome)
+        if defect is not None and defect.bounds(case):
             note(f"{side}: within known defect {defect.id}'s error: {verdict.message()}")
             continue
         assert_agrees(verdict, case, choice)
@@ -581,7 +581,9 @@ def test_a_token_recurrence_is_budgeted_by_its_own_order(device):
         agrees_with_oracle(examiner, OWN_TOKEN_CASE)
     # a shape whose every token's state that model cannot hold is outside the side's reach, with the reason
     production = LONG_MEMORY_CASE.replace(seqlen=16384, nheads=128, ngroups=8, headdim=64, dstate=128, chunk_size=256)
-    assert "model in the token order" in (get(name).skip_reason(production, device) or "")
+    with Examiner([name], device) as examiner:
+        assert any("model in the token order" in why for why in examiner.skip_reasons(production))
+        assert examiner.fit(production) is None
 
 
 # A typical-decay case whose gradient of A fla's fused recurrent kernel returned 3.4x out of budget on the CPU.
@@ -692,14 +694,13 @@ def test_every_autotune_config_matches_oracle(pass_, device):
     examiner = Examiner([SCAN], device)
     tuned = examiner.examine(case, "tuned")           # what users get: benchmarked on a GPU, config 0 interpreted
     assert_agrees(tuned.verdicts[SCAN], case, "tuned")
-    failures, index, needed = [], 0, 1
-    while index < needed:
+    failures, sweep = [], runtime.ConfigSweep()
+    for index in sweep:
         outcome = examiner.examine(case, index)
         if not outcome.verdicts[SCAN].ok:
             failures.append(f"config #{index}: {outcome.verdicts[SCAN].message()}")
-        needed = max([needed] + [count for _, _, count, _ in outcome.launches[SCAN]])
-        index += 1
-    assert needed > 1 and examiner.oracle_evaluations == 1, "the sweep did not run every config on one case"
+        sweep.ran(outcome.launches[SCAN])
+    assert sweep.needed > 1 and examiner.oracle_evaluations == 1, "the sweep did not run every config on one case"
     assert not failures, "\n".join(failures) + f"\n{replay(case)}"
 
 

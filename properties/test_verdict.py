@@ -1,4 +1,4 @@
-"""The noise-floor verdict (harness/verdict/judge.py) and the same-precision baseline it is built on (harness/budget/baseline.py).
+"""The noise-floor verdict (harness/verdict/judge.py) and the same-precision baseline it is built on (harness/budget/).
 
 Healthy implementations are within budget on generated cases; an error planted at one element is reported
 with the exact ratio, count and place; NaN/Inf, wrong shape, wrong dtype and missing results are verdicts of
@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from ssdiff.budget import baseline
+from ssdiff.budget import model, rounding, samples
 from ssdiff.sides import doubles
 from ssdiff import runtime
 from ssdiff.inputs import widen
@@ -22,10 +22,11 @@ from ssdiff.model.axes import TensorAxes, axes_of
 from ssdiff.model.case import Case, Regime
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.inputs import materialize
-from ssdiff.investigate.localize import fit_case
+from ssdiff.sides.base import fit_case
 from ssdiff.truth import evaluate
 from ssdiff.model.strategies import Bounds, cases
-from ssdiff.verdict.judge import FACTOR, UNIT_ROUNDOFF, cells, disagreement, element_budget, judge, judge_tensor
+from ssdiff.verdict.judge import FACTOR, cells, disagreement, element_budget, judge, judge_tensor
+from ssdiff.model.dtypes import UNIT_ROUNDOFF
 from properties.test_upstream import usable
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
@@ -37,7 +38,7 @@ RICH = Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_
 def prepared(case: Case, device):
     inputs = materialize(case, device)
     truth = evaluate(case, inputs)
-    return inputs, truth, baseline.evaluate_samples(case, inputs, truth, evaluate)
+    return inputs, truth, samples.evaluate_samples(case, inputs, truth, evaluate)
 
 
 def y_of(case, inputs, truth, bases, actual):
@@ -201,14 +202,14 @@ def test_the_budget_scales_with_the_dtype():
 
 def test_tf32_keeps_ten_mantissa_bits_truncating_like_hopper():
     x = torch.tensor([1.0 + 2.0 ** -10, 1.0 + 3 * 2.0 ** -12, -(1.0 + 3 * 2.0 ** -12), 3.0e-30, float("inf")])
-    r = baseline.round_to(x, "tf32")
+    r = rounding.round_to(x, "tf32")
     assert r.tolist()[:3] == [1.0 + 2.0 ** -10, 1.0, -1.0]      # toward zero, not to nearest
     assert r[3] != 0 and (r[3].view(torch.int32) & 0x1FFF) == 0
     assert math.isinf(r[4])
-    assert baseline.dot_precision(Case(dtype="float16"), "cpu") == "float16"
-    assert baseline.dot_precision(Case(dtype="float32"), "cpu") == "float32"
+    assert rounding.dot_precision(Case(dtype="float16"), "cpu") == "float16"
+    assert rounding.dot_precision(Case(dtype="float32"), "cpu") == "float32"
     # out_proj is torch's F.linear: fp32 on a GPU unless torch allows TF32 (off by default)
-    assert baseline.linear_precision(Case(dtype="float32"), "cuda") == "float32"
+    assert rounding.linear_precision(Case(dtype="float32"), "cuda") == "float32"
 
 
 def test_baseline_samples_spread_around_the_rounding_error(device):
@@ -242,9 +243,9 @@ def test_a_folded_evaluation_gives_each_sample_as_evaluated_alone(case, device):
     # evaluate_samples folds the samples (and the neighbour inputs) into one evaluation; each fold must be that
     # sample: within a tenth of the samples' own spread of it (on the CPU they are equal bit for bit).
     inputs = materialize(case, device)
-    near = baseline.neighbour(inputs, 1)
-    folded = baseline.evaluate_folded(case, [inputs, inputs, inputs, near], (0, 1, 2, 0))
-    alone = [baseline.evaluate(case, inputs, sample=k) for k in range(3)] + [baseline.evaluate(case, near)]
+    near = samples.neighbour(inputs, 1)
+    folded = samples.evaluate_folded(case, [inputs, inputs, inputs, near], (0, 1, 2, 0))
+    alone = [samples.evaluate(case, inputs, sample=k) for k in range(3)] + [samples.evaluate(case, near)]
     for field in ("outputs", "grads", "stages"):
         assert getattr(folded[0], field).keys() == getattr(alone[0], field).keys()
         for name, exact in getattr(alone[0], field).items():
@@ -272,7 +273,7 @@ WIDENED_CASES = [c for c in FOLDED_CASES if c.entry in widen.ENTRIES] + [
 def test_the_oracle_side_by_side_is_the_oracle_one_by_one(case, device):
     # the truth and the oracle at the neighbour inputs come from one evaluation with their heads side by side
     inputs = materialize(case, device)
-    several = [inputs, *baseline.neighbours_of(inputs)]
+    several = [inputs, *samples.neighbours_of(inputs)]
     for wide, alone in zip(widen.evaluate(evaluate, case, several), [evaluate(case, i) for i in several]):
         for field in ("outputs", "grads", "stages"):
             assert getattr(wide, field).keys() == getattr(alone, field).keys()
@@ -316,12 +317,12 @@ def test_a_baseline_exact_by_chance_is_widened_by_its_neighbours(device):
     truth = evaluate(case, inputs)
     with runtime.autotune(0):                                             # as the fuzz that found it ran
         out = impl.run(case, inputs)
-    wide = baseline.evaluate_samples(case, inputs, truth, evaluate)
-    exact = [truth] * baseline.SAMPLES                                     # the samples, exact by chance
-    assert len(wide) == baseline.SAMPLES + baseline.NEIGHBOURS
+    wide = samples.evaluate_samples(case, inputs, truth, evaluate)
+    exact = [truth] * samples.SAMPLES                                     # the samples, exact by chance
+    assert len(wide) == samples.SAMPLES + samples.NEIGHBOURS
     without = judge(impl.name, case, inputs, out, truth, exact)
     assert not without.ok and without.ratio > 2, without.message()          # the false alarm
-    with_neighbours = judge(impl.name, case, inputs, out, truth, exact + wide[baseline.SAMPLES:])
+    with_neighbours = judge(impl.name, case, inputs, out, truth, exact + wide[samples.SAMPLES:])
     assert with_neighbours.ok, with_neighbours.message()
 
 
@@ -347,7 +348,7 @@ def test_the_conv_and_softplus_roundings_are_in_the_mixer_budget(device):
 # norm after the gate, 2-wide norm groups): grad D 1.14-1.34x its budget at one element of six, its relative RMS
 # error four times the baseline's. The norm's backward kernel takes the component of dy * weight orthogonal to
 # the normalized value, a difference of float32 terms far larger than the result; the model normalized in
-# float64. The normalized value and its gradient are now float32 rounding points (baseline._norm).
+# float64. The normalized value and its gradient are now float32 rounding points (model.norm).
 NORM_CASE = Case(entry="split_conv1d", seqlen=8, nheads=6, headdim=1, ngroups=3, dstate=7, chunk_size=8, D="channel",
                  dt_limit=(0.01, 0.05), segments=((1, 2, 4, 1),), seq_idx_start=1, conv_width=4,
                  activation="identity", d_nonssm=3, rmsnorm=True, norm_before_gate=False, out_dim=8,
@@ -365,7 +366,7 @@ def assert_within_budget(name: str, case: Case, device):
     impl = usable(name, case.dtype, case.backward, device)
     inputs = materialize(case, device)
     truth = evaluate(case, inputs)
-    bases = baseline.evaluate_samples(case, inputs, truth, evaluate)
+    bases = samples.evaluate_samples(case, inputs, truth, evaluate)
     with runtime.autotune(0):
         out = impl.run(case, inputs)
     verdict = judge(impl.name, case, inputs, out, truth, bases)
@@ -373,7 +374,7 @@ def assert_within_budget(name: str, case: Case, device):
     return verdict
 
 
-# The scan's output stored in the case dtype before the gated RMSNorm (harness/budget/baseline.py, `_mixer`): found by
+# The scan's output stored in the case dtype before the gated RMSNorm (harness/budget/, `_mixer`): found by
 # the CPU calibration, where 19 fp16 backward cases of one token with a 2-wide norm group were 2-613x their budget
 # in the gradients of D, dt_bias, A and the conv, mamba_split_conv1d_scan_combined, its ref and ssdiff's kernel
 # agreeing bit for bit (the norm's cancellation amplifies the store's rounding); this one was 135x.
@@ -387,7 +388,7 @@ def test_the_scan_output_stored_before_the_norm_is_in_the_mixer_budget(name, dev
     assert_within_budget(name, NORM_STORE_CASE, device)
 
 
-# The z gate's backward reads the pre-gate output as the forward stored it, in the case dtype (harness/budget/baseline.py,
+# The z gate's backward reads the pre-gate output as the forward stored it, in the case dtype (harness/budget/,
 # `Rounding.gate`): found by an H200 campaign of mamba_ssm's Mamba2 (mem-eff path, no norm, float16, dt > 20,
 # scale 4), whose gradients of u and in_proj were Inf at a token where the pre-gate output was 70,190, beyond
 # float16's 65,504, while the model had kept it in float32 and judged them finite. mamba_ssm saves that output in
@@ -421,14 +422,14 @@ def test_out_projs_weight_gradient_reads_the_gated_output_recomputed_from_the_st
 
 
 def test_a_linear_whose_weight_gradient_reads_the_recomputed_input(device):
-    """baseline._LinearReading: the value and x's gradient of x @ w^T; w's gradient from ``read`` (shared weight,
+    """model._LinearReading: the value and x's gradient of x @ w^T; w's gradient from ``read`` (shared weight,
     and one weight per row as a folded evaluation has)."""
     g = torch.Generator().manual_seed(0)
     drawn = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g).to(device)
     x, read, up = drawn(2, 5, 7), drawn(2, 5, 7), drawn(2, 5, 3)
     for w in (drawn(3, 7), drawn(2, 3, 7)):
         x_, w_ = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = baseline._LinearReading.apply(x_, read, w_)
+        out = model._LinearReading.apply(x_, read, w_)
         out.backward(up)
         assert torch.allclose(out, torch.matmul(x, w.transpose(-1, -2)), rtol=1e-13, atol=1e-13)
         assert torch.allclose(x_.grad, torch.matmul(up, w), rtol=1e-13, atol=1e-13)
@@ -470,13 +471,13 @@ def test_the_conv_output_a_layer_stores_before_its_activation_is_in_the_layer_bu
 
 
 def test_the_state_passing_function_is_the_recurrence_with_its_gradient(device):
-    """baseline._PassStates (the model's state passing as one function) against torch's own gradient of
+    """rounding._PassStates (the model's state passing as one function) against torch's own gradient of
     the recurrence state_k = carry_k * state_k-1 + chunk_states_k, in float64 with no rounding point; then the
     chunk states' gradient rounded to the stored dtype, as `Rounding.grad_store` rounds it."""
     g = torch.Generator().manual_seed(0)
     drawn = lambda f, *shape: f(*shape, dtype=torch.float64, generator=g).to(device).requires_grad_(True)
     cs, carry, init = drawn(torch.randn, 2, 5, 1, 3, 4, 2), drawn(torch.rand, 2, 5, 1, 3), drawn(torch.randn, 2, 1, 3, 4, 2)
-    run = lambda s, c, i: baseline._PassStates.apply(s, c, i, "float32", None)
+    run = lambda s, c, i: rounding._PassStates.apply(s, c, i, "float32", None)
     assert torch.autograd.gradcheck(run, (cs, carry, init))
     state, plain = init, []
     for k in range(5):
@@ -484,30 +485,30 @@ def test_the_state_passing_function_is_the_recurrence_with_its_gradient(device):
         plain.append(state)
     assert torch.allclose(run(cs, carry, init), torch.stack(plain, 1), rtol=1e-13, atol=1e-13)
     # a perturbed sample: each step's sum grown by 1 + u s with the sample's signs s, drawn for all steps at once
-    grow = 1.0 + baseline.UNIT["float32"] * baseline.Signs(7919).like(cs)
+    grow = 1.0 + rounding.UNIT["float32"] * rounding.Signs(7919).like(cs)
     state, grown = init, []
     for k in range(5):
         state = (carry[:, k, ..., None, None] * state + cs[:, k]) * grow[:, k]
         grown.append(state)
-    perturbed = baseline._PassStates.apply(cs, carry, init, "float32", baseline.Signs(7919))
+    perturbed = rounding._PassStates.apply(cs, carry, init, "float32", rounding.Signs(7919))
     assert torch.allclose(perturbed, torch.stack(grown, 1), rtol=1e-13, atol=1e-13)
     assert not torch.equal(perturbed, torch.stack(plain, 1))
 
     cs32 = cs.detach().float().requires_grad_(True)
     up = torch.randn(2, 5, 1, 3, 4, 2, generator=g).to(device)
-    baseline._PassStates.apply(cs32, carry.detach().float(), init.detach().float(), "bfloat16", None).backward(up)
+    rounding._PassStates.apply(cs32, carry.detach().float(), init.detach().float(), "bfloat16", None).backward(up)
     ref32 = cs.detach().float().requires_grad_(True)
-    baseline._PassStates.apply(ref32, carry.detach().float(), init.detach().float(), "float32", None).backward(up)
-    assert torch.equal(cs32.grad, baseline.round_to(ref32.grad, "bfloat16"))
+    rounding._PassStates.apply(ref32, carry.detach().float(), init.detach().float(), "float32", None).backward(up)
+    assert torch.equal(cs32.grad, rounding.round_to(ref32.grad, "bfloat16"))
     assert not torch.equal(cs32.grad, ref32.grad)
 
 
 def test_a_sample_moves_a_float16_subnormal_by_half_its_spacing():
     t = torch.tensor([1.5e-6, -3e-7, 0.0, 1.0], dtype=torch.float32)
-    moved = baseline._perturb(t, "float16", baseline.Signs(1))
+    moved = rounding.perturb(t, "float16", rounding.Signs(1))
     assert torch.equal((moved - t)[:3].abs(), torch.full((3,), 2.0 ** -25))
     assert float((moved[3] - 1).abs()) == 2.0 ** -11                  # a normal value: u |t|, as before
-    assert torch.equal(baseline._perturb(t, "bfloat16", baseline.Signs(1))[2:3], t[2:3])   # no floor in bf16
+    assert torch.equal(rounding.perturb(t, "bfloat16", rounding.Signs(1))[2:3], t[2:3])   # no floor in bf16
 
 
 def test_a_sample_overflows_a_float16_value_within_one_rounding_error_of_overflow(device):
@@ -517,14 +518,14 @@ def test_a_sample_overflows_a_float16_value_within_one_rounding_error_of_overflo
     stored as Inf, its zxbcdt gradient Inf where the oracle's was -2384.6, and the model's two perturbed samples
     both moved that value inward: judged, not left out.)"""
     t = torch.tensor([65517.5, -65500.0, 65480.0, 1.0], dtype=torch.float32, device=device)
-    assert torch.isfinite(baseline.round_to(t, "float16")).all()
+    assert torch.isfinite(rounding.round_to(t, "float16")).all()
     for seed in range(1, 9):
-        perturbed = baseline._perturb(t, "float16", baseline.Signs(seed))
-        moved = baseline.round_to(perturbed, "float16")
+        perturbed = rounding.perturb(t, "float16", rounding.Signs(seed))
+        moved = rounding.round_to(perturbed, "float16")
         assert torch.isinf(moved[:2]).all() and torch.equal(torch.sign(moved[:2]), torch.sign(t[:2]))
         assert torch.isfinite(moved[2:]).all()
         assert float((perturbed[3] - 1).abs()) == 2.0 ** -11
-    assert torch.isfinite(baseline._perturb(t, "bfloat16", baseline.Signs(1))).all()
+    assert torch.isfinite(rounding.perturb(t, "bfloat16", rounding.Signs(1))).all()
 
 
 def test_an_inf_where_a_value_within_budget_would_overflow_is_out_of_range_not_a_divergence(device):
@@ -582,18 +583,18 @@ def test_a_decay_factor_below_float32s_smallest_normal_may_be_flushed_to_zero(de
     for log_decay, flushed_ok in ((-88.0, True), (-80.0, False)):
         case, inputs = flush_case(device, log_decay)
         truth = evaluate(case, inputs)
-        bases = baseline.evaluate_samples(case, inputs, truth, evaluate)
+        bases = samples.evaluate_samples(case, inputs, truth, evaluate)
         t = truth.outputs["y"]
         assert float(t[0, 1].abs().max()) == pytest.approx(1500.0 * 2.0 * math.exp(log_decay), rel=1e-6)
         # round to nearest keeps the factor; the perturbed samples (folded beside it) flush it where it is subnormal
-        assert [bool(b.outputs["y"][0, 1].abs().max() == 0) for b in bases[:baseline.SAMPLES]] == \
-            [False] + [flushed_ok] * (baseline.SAMPLES - 1)
+        assert [bool(b.outputs["y"][0, 1].abs().max() == 0) for b in bases[:samples.SAMPLES]] == \
+            [False] + [flushed_ok] * (samples.SAMPLES - 1)
         flushed = {"y": t.clone(), "final_states": torch.zeros_like(truth.outputs["final_states"])}
         flushed["y"][0, 1] = 0.0
         for name, kept in truth.outputs.items():
-            samples = [b.outputs[name] for b in bases]
-            assert judge_tensor(name, "output", kept, kept, samples, case, inputs).ok
-            tv = judge_tensor(name, "output", flushed[name], kept, samples, case, inputs)
+            sampled = [b.outputs[name] for b in bases]
+            assert judge_tensor(name, "output", kept, kept, sampled, case, inputs).ok
+            tv = judge_tensor(name, "output", flushed[name], kept, sampled, case, inputs)
             assert tv.ok == flushed_ok, (log_decay, name, tv.detail)
 
 

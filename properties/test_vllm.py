@@ -44,6 +44,7 @@ from ssdiff.model.case import Case, Regime  # noqa: E402
 from ssdiff.sides.chunk_metadata import ChunkMetadataError, chunk_metadata  # noqa: E402
 from ssdiff.model.evaluation import Evaluation  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
+from ssdiff.investigate.serving import prefix_state_verdicts  # noqa: E402
 from ssdiff.sides.registry import get, register  # noqa: E402
 from ssdiff.sides.adapters.vllm import ChunkScanCombinedVarlen, pack, run_varlen  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
@@ -185,7 +186,9 @@ def prefix_verdict_failures(name, case, device, tamper=None):
     states, metadata = serving.intermediate_states(release(), case, tensors)
     if tamper is not None:
         states = tamper(states)
-    return [v.message() for v in serving.prefix_state_verdicts(name, case, inputs, states, metadata) if not v.ok]
+    with Examiner([], device) as examiner:
+        verdicts = prefix_state_verdicts(examiner, name, case, inputs, states, metadata)
+    return [v.message() for v in verdicts if not v.ok]
 
 
 @st.composite
@@ -266,16 +269,15 @@ def test_the_result_does_not_depend_on_the_autotune_config(device):
     memo before every call, and the launches say which config ran."""
     usable(PREFILL, "float32", False, device)
     with Examiner([PREFILL], device) as examiner:
-        failures, index, needed, seen = [], 0, 1, set()
-        while index < needed:
+        failures, sweep, seen = [], runtime.ConfigSweep(), set()
+        for index in sweep:
             outcome = examiner.examine(SWEEP_CASE, index)
             if not outcome.verdicts[PREFILL].ok:
                 failures.append(f"config #{index}: {outcome.verdicts[PREFILL].message()}")
             launches = outcome.launches[PREFILL]
-            seen |= {(kernel, chosen) for kernel, chosen, _, _ in launches}
-            needed = max([needed] + [count for _, _, count, _ in launches])
-            index += 1
-    assert needed > 1 and len(seen) > 5, f"the sweep did not run the kernels' configs: {sorted(seen)}"
+            seen |= {(launch.kernel, launch.index) for launch in launches}
+            sweep.ran(launches)
+    assert sweep.needed > 1 and len(seen) > 5, f"the sweep did not run the kernels' configs: {sorted(seen)}"
     assert not failures, "\n".join(failures) + f"\n{replay(SWEEP_CASE)}"
 
 

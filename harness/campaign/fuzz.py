@@ -38,14 +38,14 @@ from typing import Callable, Optional
 from ssdiff.inputs import huge
 from ssdiff.registry import known
 from ssdiff.investigate import localize
-from ssdiff import truth as oracle
+from ssdiff import truth
 from ssdiff import runtime
 from ssdiff import store
 from ssdiff.investigate import tf32
 from ssdiff.sides import tiling
 from ssdiff.examine import PHASES, Examiner, Outcome, UsageError
 from ssdiff.campaign.pool import POOLED_ENTRIES, Mix, Pool
-from ssdiff.report.environment import environment
+from ssdiff.sides.environment import environment
 from ssdiff.model.strategies import Bounds, cases, maybe_boundary
 from ssdiff.verdict.judge import (FACTOR, PROCESS_FAILURES, REQUIRED_GROUPS, RUN_FAILURES, budget_rule, factor_spread,
                              required_factors)
@@ -117,7 +117,7 @@ class FuzzConfig:
     huge: float = 0.0
     # With a pool: compile each key's representative case ahead in worker processes (harness/campaign/precompile.py).
     compile_ahead: bool = True
-    oracle: str = oracle.DEFAULT_ORACLE
+    oracle: str = truth.DEFAULT_ORACLE
     factor: float = FACTOR
     ablation_runs: Optional[int] = None
     # The HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report); None: no report.
@@ -368,7 +368,7 @@ class Fuzzer:
             if v.ok:
                 entry["matched_not_reproduced"] += 1
                 continue
-            if not known.explains(defect, side, outcome, self.config.factor):
+            if known.explanation(side, outcome, self.config.factor) is not defect:
                 continue            # a divergence beyond what the defect accounts for: a finding of its own
             entry["reproduced"] += 1
             explained.add(side)
@@ -451,7 +451,7 @@ class Fuzzer:
         and the replay runs in-process, where a hang holds it for the replay's whole timeout."""
         cfg, o = self.config, finding.outcome
         if finding.tf32_replay is not None or not tf32.applies(o.case, cfg.device) or o.choice == "sweep" \
-                or cfg.factor != FACTOR or cfg.oracle != oracle.DEFAULT_ORACLE \
+                or cfg.factor != FACTOR or cfg.oracle != truth.DEFAULT_ORACLE \
                 or any(v.status in RUN_FAILURES for v in o.verdicts.values()):
             return
         said = tf32.replay(cfg.impl, o.case, o.choice, cfg.device, finding.path, cfg.against)

@@ -172,7 +172,7 @@ def merge(out: pathlib.Path, job_dirs: list, seed: int, elapsed: float, exits: l
 
 def _line(states: list, elapsed: float, max_time: Optional[float]) -> str:
     """One progress line for the jobs' progress states together."""
-    from ssdiff.cli import progress_text
+    from ssdiff.campaign.progress import progress_text
 
     worst: dict = {}
     for s in states:

@@ -33,10 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ssdiff.model.case import Case
+from ssdiff.model.dtypes import TORCH_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# Pre-softplus mean of dt and the range of |A| per decay regime (see SPEC.md section 6).
+# Pre-softplus mean of dt and the range of |A| per decay regime (harness/truth/README.md, "Input regimes").
 _DT_CENTER = {"none": -3.0, "mild": -3.0, "typical": -3.0, "strong": 0.5}
 _A_RANGE = {"none": (1e-5, 1e-4), "mild": (0.05, 0.5), "typical": (1.0, 16.0), "strong": (30.0, 60.0)}
 # A tensor of more elements than this is drawn by `counter_variates` on the case's device, keyed from the case's
@@ -61,9 +60,6 @@ def differentiable_names(case: Case) -> tuple:
         return LAYER_DIFFERENTIABLE
     return CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
 
-
-def torch_dtype(case: Case) -> torch.dtype:
-    return TORCH_DTYPES[case.dtype]
 
 
 def seq_idx_rows(case: Case) -> Optional[torch.Tensor]:

@@ -4,7 +4,7 @@ Heads do not interact in the chunk_scan and decode entries: head i reads group i
 own A, D, dt_bias, x, dt, z and state. So S inputs of one case are one case of S * nheads heads and S * ngroups
 groups — input j's heads j * nheads .. (j + 1) * nheads - 1, its groups likewise, which keeps each head on its
 own input's groups — and each result is the widened result's j-th block of heads (or groups). The verdict needs
-the float64 oracle at a case's inputs and at its neighbour samples' (harness/budget/baseline.py): one widened
+the float64 oracle at a case's inputs and at its neighbour samples' (harness/budget/): one widened
 evaluation launches as many kernels as one of them.
 
 The fused mixer (split_conv1d) widens the same way channel by channel: its conv is depthwise, its norm per group

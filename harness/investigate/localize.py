@@ -22,42 +22,16 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+from ssdiff import runtime
 from ssdiff.model.axes import HEAD_PARTS, TensorAxes, coordinates_of, token_sequences
 from ssdiff.model.case import Case, CaseError
 from ssdiff.model.features import BY_KEY, FEATURES, present, switch_off, without
 from ssdiff.model.stages import STAGE_ORDER
-from ssdiff.verdict.judge import TensorVerdict, Verdict
+from ssdiff.examine import same_divergence
+from ssdiff.verdict.judge import RUN_FAILURES, TensorVerdict, Verdict
 
 
 # ---- features ----------------------------------------------------------------------------------------------
-
-def fit_case(case: Case, impls, device: str) -> Optional[Case]:
-    """``case`` with the features some implementation cannot express switched off (harness/model/features.py) and,
-    if a size limit still rejects it, dstate / headdim nudged up to the nearest accepted; None when it still
-    falls outside one's capabilities (entry, dtype, a limit)."""
-    for _ in range(len(FEATURES)):
-        before = case
-        for impl in impls:
-            cap = impl.capabilities
-            wanted = set(present(case) & cap.unsupported)
-            if case.backward and not cap.backward:
-                wanted.add("backward")
-            case = without(case, wanted)
-        if case == before:
-            break
-    if not any(impl.skip_reason(case, device) for impl in impls):
-        return case
-    # A size limit (e.g. conv channels % 8 == 0 for causal_conv1d): nudge dstate and headdim up a little.
-    for extra_p in range(4):
-        for extra_n in range(8):
-            try:
-                nudged = case.replace(dstate=case.dstate + extra_n, headdim=case.headdim + extra_p)
-            except CaseError:
-                continue
-            if not any(impl.skip_reason(nudged, device) for impl in impls):
-                return nudged
-    return None
-
 
 def minimal_trigger(case: Case, still_diverges: Callable[[Case], bool],
                     budget_runs: Optional[int] = None) -> dict:
@@ -155,6 +129,17 @@ def _infer_from_trigger(trigger, after_stage: Optional[str] = None) -> Optional[
 
 def _stage_feature_label(trigger, stage) -> str:
     return next(BY_KEY[k].label for k in trigger if k in BY_KEY and BY_KEY[k].stage == stage)
+
+
+def first_stage(examiner, case: Case, side: str, choice="tuned") -> Optional[str]:
+    """The first divergent stage of ``side`` on ``case`` examined by ``examiner`` (ssdiff.examine.Examiner), when
+    measured from stage intermediates (None when it runs out of stages, fails to run, or only an inferred stage is
+    known)."""
+    staged = examiner.examine(case, choice, stages=True, sides=[side]).verdicts[side]
+    if staged.status in RUN_FAILURES:
+        return None
+    found = stages(staged)
+    return found["first"] if not found.get("inferred") else None
 
 
 # ---- coordinates -------------------------------------------------------------------------------------------
@@ -268,14 +253,14 @@ def configs(per_index: list) -> dict:
     bad = [i for i, d, _ in per_index if d]
     good = [i for i, d, _ in per_index if not d]
     res = {"diverging": bad, "within_budget": good,
-           "launches": {i: [{"kernel": k, "config": c, "index": j, "of": n} for k, j, n, c in launches]
-                        for i, _, launches in per_index}}
+           "launches": {i: [{"kernel": l.kernel, "config": l.config, "index": l.index, "of": l.nconfigs}
+                            for l in launches] for i, _, launches in per_index}}
     if not per_index:
         res["text"] = "autotune configs: not swept"
     elif bad and good:
-        good_configs = {(k, c) for i, _, launches in per_index if i in good for k, _, _, c in launches}
-        culprits = sorted({f"{k} [{c}]" for i, _, launches in per_index if i in bad for k, _, _, c in launches
-                           if (k, c) not in good_configs})
+        good_configs = {(l.kernel, l.config) for i, _, launches in per_index if i in good for l in launches}
+        culprits = sorted({f"{l.kernel} [{l.config}]" for i, _, launches in per_index if i in bad for l in launches
+                           if (l.kernel, l.config) not in good_configs})
         res["suspects"] = culprits
         res["text"] = (f"autotune: diverges only with config index {_ranges(bad)} (within budget with "
                        f"{_ranges(good)})" + (f"; configs used only there: {'; '.join(culprits)}" if culprits else ""))
@@ -341,9 +326,6 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
     trigger (ablations judged with ssdiff.examine.same_divergence), and per failing side the first divergent
     stage and the coordinates, and with ``explore_configs`` the autotune configs that diverge. Returns
     (localization dict, {side: the verdict with stages}); re-examining the case reuses its evidence."""
-    from ssdiff.examine import same_divergence
-    from ssdiff.verdict.judge import RUN_FAILURES
-
     case = outcome.case
     choice = outcome.choice if outcome.choice != "sweep" else "tuned"
     failing = outcome.failing
@@ -380,7 +362,7 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
             if worst_out is not None and (primary is None or worst_out.name != primary.name):
                 coords.append(coordinates(worst_out, case))
             entry["coordinates"] = coords
-            if explore_configs and any(n > 1 for _, _, n, _ in outcome.launches.get(spec, [])):
+            if explore_configs and any(l.nconfigs > 1 for l in outcome.launches.get(spec, [])):
                 entry["configs"] = _config_sweep(examiner, case, spec)
         per_side[spec] = entry
     result["per_side"] = per_side
@@ -400,15 +382,14 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
 
 
 def _config_sweep(examiner, case: Case, spec: str) -> dict:
-    per_index, index, needed = [], 0, 1
-    while index < needed and index < MAX_CONFIGS_SWEPT:
+    per_index, sweep = [], runtime.ConfigSweep(limit=MAX_CONFIGS_SWEPT)
+    for index in sweep:
         out = examiner.examine(case, index, sides=[spec])
         launches = out.launches.get(spec, [])
         per_index.append((index, not out.verdicts[spec].ok, launches))
-        needed = max([needed] + [n for _, _, n, _ in launches])
-        index += 1
+        sweep.ran(launches)
     return configs(per_index)
 
 
-__all__ = ["fit_case", "minimal_trigger", "stages", "coordinates", "configs",
+__all__ = ["first_stage", "minimal_trigger", "stages", "coordinates", "configs",
            "sides", "describe_primary", "investigate"]

@@ -27,7 +27,8 @@ import torch
 from ssdiff import runtime
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.inputs import Inputs, materialize, torch_dtype
+from ssdiff.inputs import Inputs, materialize
+from ssdiff.model.dtypes import torch_dtype
 from ssdiff.verdict.judge import disagreement
 
 TOKEN_MAJOR = ("x", "dt", "B", "C", "z")          # (b, L, ...) inputs; the others are per head or per row

@@ -25,6 +25,7 @@ from ssdiff import store
 from ssdiff.model.case import Case, CaseError
 from ssdiff.examine import Examiner, Outcome, UsageError, same_divergence
 from ssdiff.truth import DEFAULT_ORACLE
+from ssdiff.investigate.localize import first_stage as first_stage_of
 from ssdiff.investigate.shrink import Shrunk, Step, shrink
 from ssdiff.verdict.judge import FACTOR, RUN_FAILURES
 
@@ -79,7 +80,7 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
         # with D None, with dt_bias None) are not one, and shrinking must not trade one for the other.
         if any(_raised(v) != _raised(again.verdicts[s]) for s, v in original.failing.items() if v.status == "error"):
             return False
-        if first_stage is not None and examiner.first_stage(candidate, failing[0], choice) != first_stage:
+        if first_stage is not None and first_stage_of(examiner, candidate, failing[0], choice) != first_stage:
             return False
         kept.append(again)
         return True
@@ -106,7 +107,7 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     examiner.keep(original)
     failing = original.failing
     side = next(iter(failing))
-    first = None if failing[side].status in RUN_FAILURES else examiner.first_stage(original.case, side, choice)
+    first = None if failing[side].status in RUN_FAILURES else first_stage_of(examiner, original.case, side, choice)
     kept = [original]
     shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept, accept, holds),
                     on_step=on_step, max_runs=max_runs)

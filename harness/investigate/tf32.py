@@ -2,7 +2,7 @@
 float32 dots.
 
 On a CUDA GPU Triton's float32 `tl.dot` is TF32 unless TRITON_F32_DEFAULT=ieee (runtime.fp32_dot), and the budget
-models TF32's rounding points (harness/budget/baseline.py). At elements whose true value cancels to nearly zero a
+models TF32's rounding points (harness/budget/). At elements whose true value cancels to nearly zero a
 backward kernel can sum TF32 products of much larger terms than the model's order does, and exceed the budget
 without a defect (LIMIT). A replay of the case in a fresh process under TRITON_F32_DEFAULT=ieee (the same config,
 the budget modelled for exact dots) tells the two apart: within budget there, the loss is TF32's; still out of

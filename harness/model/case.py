@@ -68,7 +68,7 @@ class Regime:
 
 @dataclass(frozen=True)
 class Case:
-    """One SSD call. Sizes follow SPEC.md: b batch, L seqlen, h nheads, p headdim, g ngroups, n dstate, Q chunk.
+    """One SSD call. Sizes (harness/truth/README.md, "The SSD map"): b batch, L seqlen, h nheads, p headdim, g ngroups, n dstate, Q chunk.
 
     segments: per batch row, the lengths of the packed sequences (seq_idx counts them from
       ``seq_idx_start``); a row's lengths plus ``padding[row]`` must sum to seqlen. None: no seq_idx.

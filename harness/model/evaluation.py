@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 from ssdiff.model.case import Case
-from ssdiff.inputs import Inputs
 
 
 @dataclass
@@ -50,7 +49,7 @@ class Evaluation:
         return Evaluation(move(self.outputs), move(self.grads), move(self.stages), list(self.notes))
 
 
-def differentiate(case: Case, inputs: Inputs, tensors: dict, outputs: dict) -> dict:
+def differentiate(case: Case, inputs, tensors: dict, outputs: dict) -> dict:
     """Gradients of <y, dy> (+ <final_states, dfinal> when the case asks) for every differentiable input
     in ``tensors`` that requires grad. Unused inputs get zeros. Views (the strided layout) work too."""
     roots = [outputs["y"]]
@@ -68,7 +67,7 @@ def differentiate(case: Case, inputs: Inputs, tensors: dict, outputs: dict) -> d
     return {n: (g if g is not None else torch.zeros_like(tensors[n])) for n, g in zip(names, found)}
 
 
-def evaluate_graph(case: Case, inputs: Inputs, leaves: dict, forward: Callable[[], Evaluation]) -> Evaluation:
+def evaluate_graph(case: Case, inputs, leaves: dict, forward: Callable[[], Evaluation]) -> Evaluation:
     """Run ``forward()`` on ``leaves`` (built by the caller, requiring grad for backward cases), differentiate
     for backward cases, and return the result detached. Gradients come as autograd gives them (in their
     leaves' dtypes)."""

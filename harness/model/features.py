@@ -2,7 +2,7 @@
 is switched off, and the pipeline stage that exists only because of it.
 
 Every consumer speaks these keys: capabilities (`Capabilities.unsupported`), fitting a case to what the
-implementations can express (harness/investigate/localize.py: `fit_case`), the feature ablation (`minimal_trigger`, whose
+implementations can express (harness/sides/base.py: `fit_case`), the feature ablation (`minimal_trigger`, whose
 keys verdict.json stores as "trigger" and "tried"), the minimizer's feature steps (harness/investigate/shrink.py) and the
 properties that draw cases within an implementation's capabilities (properties/test_upstream.py).
 

@@ -303,7 +303,7 @@ def run_repro(path: Path, release: Optional[Path] = None, timeout: int = 300) ->
 # ---- compute (slow): minimize, write case.json, finding.json, repro.py --------------------------------------
 
 def _local_paths(text: str) -> str:
-    """Paths of this machine out of a message: '/.../site-packages/mamba_ssm/x.py' -> 'mamba_ssm/x.py'."""
+    """Paths of this machine out of a message: '<prefix>/site-packages/mamba_ssm/x.py' -> 'mamba_ssm/x.py'."""
     return re.sub(r"/\S*?/(mamba_ssm|torch|triton)/", r"\1/", text)
 
 

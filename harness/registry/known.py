@@ -154,13 +154,13 @@ def decay_sum_error(sums_dtype: Optional[str] = None) -> Callable:
     problem's sum of |dy| * y, what the sums' backward accumulates; T a row's sum of dt (the largest over the
     batch); M and L_abs from the float64 oracle. (For cases without final_states.)"""
     def error(case: Case, inputs) -> dict:
-        from ssdiff import truth as oracle
-        from ssdiff.verdict.judge import UNIT_ROUNDOFF
+        from ssdiff import truth
+        from ssdiff.model.dtypes import UNIT_ROUNDOFF
 
         t = inputs.float64()
         A = t["A"].detach().clone().requires_grad_(True)
         magnitudes = {n: t[n].abs() for n in ("x", "B", "C", "z", "D", "initial_states") if n in t}
-        y = oracle.call("ref.chunked", case, {**t, **magnitudes, "A": A}, inputs.seq_idx).outputs["y"]
+        y = truth.call("ref.chunked", case, {**t, **magnitudes, "A": A}, inputs.seq_idx).outputs["y"]
         dy = inputs.grad_outputs["y"].abs()
         M = torch.autograd.grad(y, A, dy)[0].abs()                                          # (h,)
         L_abs = (y.detach() * dy).sum((0, 1, 3))
@@ -548,7 +548,7 @@ DEFECTS += (
 # reproduced and minimized on the CPU; with rmsnorm (the norm kernel takes the gate in registers) or in bfloat16
 # (float32's range) the same inputs are within budget. The example is one where the pre-gate output stays inside
 # float16's range at the failing token (44,846 at token 8, where fla's gradient of u is NaN): where it does not,
-# every float16 implementation that saves it overflows and the model does too (harness/budget/baseline.py, `Rounding.gate`).
+# every float16 implementation that saves it overflows and the model does too (harness/budget/, `Rounding.gate`).
 DEFECTS += (
     KnownDefect(
         id="fla-mamba2-torch-gate-gradient-overflow",
@@ -579,14 +579,14 @@ def running_gate_sum_error(case: Case, inputs) -> dict:
     dt and dt_bias, per element: RUNNING_SUM_ROUNDINGS * u * M, with u float32's unit roundoff and M a token's
     magnitude of the sum from it to its sequence's end, sum |q| |dq| + |k| |dk| (+ |h_T| |dh_T|), from the float64
     oracle with the groups' B and C taken per head (fla's q and k); carried into dt' A as the gradient is."""
-    from ssdiff import truth as oracle
+    from ssdiff import truth
     from ssdiff.truth.chunked import process_dt
 
     t = inputs.float64(requires_grad=True)
     per_head = case.nheads // case.ngroups
     q_k = {n: t[n].detach().repeat_interleave(per_head, 2).requires_grad_(True) for n in ("B", "C")}
     wide = case.replace(ngroups=case.nheads)
-    res = oracle.call("ref.chunked", wide, {**t, **q_k}, inputs.seq_idx)
+    res = truth.call("ref.chunked", wide, {**t, **q_k}, inputs.seq_idx)
     roots, cotangents = [res.outputs["y"]], [inputs.grad_outputs["y"]]
     if case.final_state_grad:
         roots.append(res.outputs["final_states"])
@@ -688,6 +688,33 @@ def matching(impl: str, case: Case) -> Optional[KnownDefect]:
     return next((d for d in affecting(impl) if d.applies(case)), None)
 
 
+def explanation(side: str, outcome, factor: Optional[float] = None) -> Optional[KnownDefect]:
+    """The one rule for "a known defect explains this divergence": the defect of ``side``'s installed release whose
+    predicate ``outcome``'s case satisfies (`matching`) and that accounts for ``side``'s divergence (`explains`), or
+    None — no divergence, no record for the case, or a divergence beyond what the record accounts for (a finding
+    of its own)."""
+    verdict = outcome.verdicts[side]
+    defect = None if verdict.ok else matching(side, outcome.case)
+    return defect if defect is not None and explains(defect, side, outcome, factor) else None
+
+
+def known_lines(outcome, factor: Optional[float] = None) -> list:
+    """What the registry says of each diverging side of ``outcome`` (ssdiff.examine.Outcome), one line each: the
+    defect of the installed release that explains the divergence, or the one whose domain the case lies in while
+    the divergence is more than it accounts for (a new finding, as `ssdiff fuzz` would report it)."""
+    lines = []
+    for side, verdict in outcome.verdicts.items():
+        defect = None if verdict.ok else matching(side, outcome.case)
+        if defect is None:
+            continue
+        if explains(defect, side, outcome, factor):
+            lines.append(f"{side}: known defect {defect.id} ({defect.releases}; {defect.status}): {defect.statement}")
+        else:
+            lines.append(f"{side}: the case lies in known defect {defect.id}'s domain, but the divergence is more "
+                         f"than it accounts for: a new finding")
+    return lines
+
+
 def explains(defect: KnownDefect, side: str, outcome, factor: Optional[float] = None) -> bool:
     """Whether ``defect`` (one `matching` names for ``side`` and the outcome's case) accounts for the divergence of
     ``side``'s verdict in ``outcome`` (ssdiff.examine.Outcome): any divergence, or where it bounds its error
@@ -709,6 +736,7 @@ def explains(defect: KnownDefect, side: str, outcome, factor: Optional[float] = 
                            outcome.baseline, factor or FACTOR, allowance=error[name]).ok for name in failing)
 
 
-__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "explains", "whole_pass",
+__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "explains", "explanation",
+           "known_lines", "whole_pass",
            "installed_version", "running_gate_sum_error", "decay_sum_error",
            "row_decay", "ragged_end_decay", "EXP_OVERFLOW_F32"]

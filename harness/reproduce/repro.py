@@ -8,7 +8,7 @@ both sides and the oracle, the largest errors against the budgets ssdiff allowed
 divergence exists, 0 once it is fixed.
 
 Implementations written out natively: mamba_ssm.* entry points, ssdiff.triton, fla's simple_gla kernels on
-cases without seq_idx (SPEC.md section 5's map), the layers, and any ``module:function`` with
+cases without seq_idx (harness/truth/README.md, "fla's simple_gla"), the layers, and any ``module:function`` with
 mamba_chunk_scan_combined's signature. Others (vLLM's ops, fla's simple_gla on packed sequences, test doubles)
 are reached through ssdiff's registry, and the script says so.
 """
@@ -35,7 +35,8 @@ from ssdiff.sides import standins
 from ssdiff.model.axes import axes_of
 from ssdiff.model.case import Case
 from ssdiff.inputs import Inputs, differentiable_names
-from ssdiff.verdict.judge import UNIT_ROUNDOFF, element_budget, judged_mask, storage_dtype
+from ssdiff.verdict.judge import element_budget, judged_mask, storage_dtype
+from ssdiff.model.dtypes import UNIT_ROUNDOFF
 
 TEMPLATE = Path(__file__).parent / "repro.py.j2"
 

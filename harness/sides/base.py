@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ssdiff.model.case import Case
+from ssdiff.model.case import Case, CaseError
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
-from ssdiff.model.features import present
+from ssdiff.model.features import FEATURES, present, without
 from ssdiff.inputs import Inputs
 
 
@@ -41,7 +41,7 @@ class Implementation:
     name: str = ""
     description: str = ""
     capabilities: Capabilities = Capabilities()
-    # The order its scan evaluates in: "chunked" (the baseline's model, harness/budget/baseline.py) or "recurrent"
+    # The order its scan evaluates in: "chunked" (the baseline's model, harness/budget/) or "recurrent"
     # (token by token: the evidence adds the model in the token order, whose rounding grows with the tokens a state
     # carries, as a token recurrence's does; harness/examine.py).
     evaluation_order: str = "chunked"
@@ -83,11 +83,6 @@ class Implementation:
             why = limit(case)
             if why:
                 return why
-        if self.evaluation_order == "recurrent" and case.entry == "chunk_scan":
-            from ssdiff.budget.baseline import token_model_too_large
-
-            why = token_model_too_large(case)
-            return f"{self.name}: {why}" if why else None
         return None
 
     def forward(self, case: Case, tensors: dict, inputs: Inputs, want_stages: bool) -> Evaluation:
@@ -99,6 +94,34 @@ class Implementation:
         """Forward (and for backward cases, gradients of every differentiable input)."""
         tensors = inputs.native(requires_grad=case.backward)
         return evaluate_graph(case, inputs, tensors, lambda: self.forward(case, tensors, inputs, want_stages))
+
+
+def fit_case(case: Case, impls, device: str) -> Optional[Case]:
+    """``case`` with the features some implementation cannot express switched off (harness/model/features.py) and,
+    if a size limit still rejects it, dstate / headdim nudged up to the nearest accepted; None when it still
+    falls outside one's capabilities (entry, dtype, a limit)."""
+    for _ in range(len(FEATURES)):
+        before = case
+        for impl in impls:
+            cap = impl.capabilities
+            wanted = set(present(case) & cap.unsupported)
+            if case.backward and not cap.backward:
+                wanted.add("backward")
+            case = without(case, wanted)
+        if case == before:
+            break
+    if not any(impl.skip_reason(case, device) for impl in impls):
+        return case
+    # A size limit (e.g. conv channels % 8 == 0 for causal_conv1d): nudge dstate and headdim up a little.
+    for extra_p in range(4):
+        for extra_n in range(8):
+            try:
+                nudged = case.replace(dstate=case.dstate + extra_n, headdim=case.headdim + extra_p)
+            except CaseError:
+                continue
+            if not any(impl.skip_reason(nudged, device) for impl in impls):
+                return nudged
+    return None
 
 
 def limit(check: Callable[[Case], bool], reason: str) -> Callable[[Case], Optional[str]]:

@@ -43,12 +43,13 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ssdiff import truth as oracle
-from ssdiff.budget.baseline import scan as model_scan
+from ssdiff import truth
+from ssdiff.budget.model import scan as model_scan
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
 from ssdiff.sides.base import Capabilities, Implementation
-from ssdiff.inputs import Inputs, torch_dtype
+from ssdiff.inputs import Inputs
+from ssdiff.model.dtypes import torch_dtype
 from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
@@ -278,11 +279,11 @@ class LowPrecisionOracle(_Float32Implementation):
         self.oracle_name = oracle_name
         self.name = f"double.{oracle_name.split('.')[-1]}_fp32"
         self.description = f"{oracle_name}'s math computed in float32"
-        self.capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}), stages=oracle.STAGE_ORDER)
+        self.capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}), stages=truth.STAGE_ORDER)
 
     def compute(self, case, t, inputs):
-        res = oracle.call(self.oracle_name, case, t, inputs.seq_idx)
-        return oracle.asked_outputs(case, res), oracle.ordered_stages(res)
+        res = truth.call(self.oracle_name, case, t, inputs.seq_idx)
+        return truth.asked_outputs(case, res), truth.ordered_stages(res)
 
 
 STEP_BUGS = (None, "no_decay", "group_heads")

@@ -36,7 +36,7 @@ STARTUP_TIMEOUT = 300.0
 class RunResult:
     """status: "ok" (``outputs`` holds the results), "error", "crash" or "hang" (``detail`` says what
     happened), or "oom": the device had no memory for the run, twice (not a verdict: `runtime.retry_on_oom`).
-    launches: the autotuned launches (kernel, config index, count) the run made."""
+    launches: the autotuned launches the run made (runtime.Launch records)."""
 
     status: str
     outputs: Optional[object] = None
@@ -80,7 +80,7 @@ def _run_here(impl, case: Case, inputs, want_stages: bool, choice) -> RunResult:
     try:
         with runtime.autotune(choice):
             out = runtime.retry_on_oom(lambda: impl.run(case, inputs, want_stages), impl.name)
-            launches = [(l.kernel, l.index, l.nconfigs, l.config) for l in runtime.launches()]
+            launches = runtime.launches()
     except runtime.DeviceOutOfMemory as err:        # the machine's limit, not the implementation's verdict
         return RunResult("oom", detail=str(err), seconds=time.perf_counter() - start)
     except Exception as err:            # the implementation raised: a verdict, not our crash

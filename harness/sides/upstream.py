@@ -1,7 +1,7 @@
 """Loading the upstream packages under test (mamba_ssm, fla) and detecting what the installed release can do.
 
 mamba_ssm's package ``__init__`` imports its CUDA selective-scan extension, so ``import mamba_ssm`` fails on
-every machine without it (SPEC.md section 4). `mamba_ssm()` registers a bare package object with the installed
+every machine without it (harness/truth/README.md, "Running upstream without CUDA extensions"). `mamba_ssm()` registers a bare package object with the installed
 ``__path__`` instead, imports only the Triton ops, puts the float64-checked torch stand-ins of
 ssdiff.sides.standins where causal_conv1d / selective_scan_cuda are missing, and records what it did. Any release
 2.0.0 - 2.3.2.post1 loads this way: put its install directory first on PYTHONPATH (one release per process).
@@ -32,7 +32,7 @@ from typing import Optional
 from ssdiff import runtime
 from ssdiff.sides import standins
 
-# seq_idx = -1 marks padding tokens (kept out of every state) since this release (SPEC.md section 1).
+# seq_idx = -1 marks padding tokens (kept out of every state) since this release (harness/truth/README.md, "Sequence boundaries").
 PADDING_SINCE = "2.2.6.post3"
 
 

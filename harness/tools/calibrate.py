@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from rich.console import Console
 
-    from ssdiff.report.environment import environment
+    from ssdiff.sides.environment import environment
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     command = " ".join(["python -m ssdiff.tools.calibrate"] + list(sys.argv[1:] if argv is None else argv))

@@ -69,8 +69,8 @@ def drawn(entry: str, dtype: str, backward: bool, count: int, seed: int) -> list
 
 
 def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
-    from ssdiff.budget import baseline
-    from ssdiff import truth as oracle
+    from ssdiff.budget.samples import evaluate_samples, neighbours_of
+    from ssdiff import truth
     from ssdiff.inputs import widen
     from ssdiff.model.case import Case
     from ssdiff.inputs import materialize
@@ -82,11 +82,11 @@ def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
                     pass_="backward" if backward else "forward", seed=1)
         with Counting() as made:
             inputs = materialize(case, device)
-            near = baseline.neighbours_of(inputs)
+            near = neighbours_of(inputs)
         with Counting() as truths:
-            truth, *at_near = widen.evaluate(oracle.evaluate, case, [inputs, *near])
+            exact, *at_near = widen.evaluate(truth.evaluate, case, [inputs, *near])
         with Counting() as model:
-            baseline.evaluate_samples(case, inputs, truth, at_neighbours=(near, at_near))
+            evaluate_samples(case, inputs, exact, at_neighbours=(near, at_near))
         print(f"| {c} | {made.total} | {truths.total} | {model.total} |")
     return 0
 

@@ -21,7 +21,6 @@ import torch
 
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
-from ssdiff.inputs import Inputs
 from ssdiff.truth import chunked, layer, mixer, quadratic, recurrent
 from ssdiff.model.stages import STAGE_ORDER
 
@@ -72,7 +71,7 @@ def decode(scan, case: Case, tensors: dict) -> Evaluation:
     return Evaluation({"y": res.outputs["y"], "final_states": res.outputs["final_states"]})
 
 
-def evaluate(case: Case, inputs: Inputs, name: str = DEFAULT_ORACLE) -> Evaluation:
+def evaluate(case: Case, inputs, name: str = DEFAULT_ORACLE) -> Evaluation:
     """Evaluate oracle ``name`` on ``case``: outputs, stages, and (backward cases) input gradients."""
     tensors = inputs.float64(requires_grad=case.backward)
 

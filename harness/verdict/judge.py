@@ -2,7 +2,7 @@
 
 `judge` compares every output, gradient and stage intermediate with the float64 oracle and reports each as a
 ratio to a per-element budget (below 1: within it), derived from a same-precision baseline
-(harness/budget/baseline.py) in budget cells (`cells`), with NaN/Inf, mismatches and failed runs kept apart as
+(harness/budget/) in budget cells (`cells`), with NaN/Inf, mismatches and failed runs kept apart as
 statuses of their own; `disagreement` compares two implementations the same way. The rule, its constants
 (FACTOR, MIN_CELL) and their calibration: harness/README.md, "The verdict".
 """
@@ -18,7 +18,8 @@ import torch
 
 from ssdiff.model.axes import TensorAxes, axes_of, coordinates_of
 from ssdiff.model.case import Case
-from ssdiff.inputs import TORCH_DTYPES, Inputs, torch_dtype
+from ssdiff.inputs import Inputs
+from ssdiff.model.dtypes import TORCH_DTYPES, UNIT_ROUNDOFF, overflow_edge, torch_dtype
 
 FACTOR = 4.0
 MIN_CELL = 16
@@ -26,17 +27,6 @@ MIN_CELL = 16
 # Called as listener(case, verdict) after every `judge`: how `pytest --ssdiff-report` sees the verdicts that
 # properties reach (harness/plugin.py). Empty unless a listener is registered.
 JUDGE_LISTENERS: list = []
-
-UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
-                 torch.bfloat16: 2.0 ** -8}
-
-
-def overflow_edge(dtype: torch.dtype) -> float:
-    """The magnitude from which a value rounds to Inf in ``dtype``: its largest finite value plus half a unit
-    in the last place there (65520 in float16)."""
-    info = torch.finfo(dtype)
-    return float(info.max) * (1.0 + UNIT_ROUNDOFF[dtype] / (2.0 - 2.0 * UNIT_ROUNDOFF[dtype]))
-
 
 # Verdict statuses, least to most severe. "ok" is the only passing one.
 STATUSES = ("ok", "diverged", "nonfinite", "mismatch", "error", "crash", "hang")

@@ -1,4 +1,4 @@
-"""Adapters for fla's simple_gla as an SSD kernel (SPEC.md section 5).
+"""Adapters for fla's simple_gla as an SSD kernel (harness/truth/README.md, "fla's simple_gla").
 
     fla.chunk_simple_gla            chunk_simple_gla (Triton; GPU only: it does not run under the interpreter)
     fla.fused_recurrent_simple_gla  fused_recurrent_simple_gla (Triton; CPU interpreter and GPU)
@@ -170,7 +170,7 @@ class FlaImplementation(Implementation):
             real = [i for i, is_real in enumerate(plan.real) if is_real]
             outputs["varlen_states"] = final[real].float().transpose(-1, -2)
         rel = upstream.fla()
-        return Evaluation(outputs=outputs, notes=[f"{rel.label}: simple_gla with the SSD mapping of SPEC.md 5"])
+        return Evaluation(outputs=outputs, notes=[f"{rel.label}: simple_gla with the SSD mapping of harness/truth/README.md"])
 
 
 def hopper_backward_refused(device: str) -> bool:

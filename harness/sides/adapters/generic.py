@@ -43,11 +43,12 @@ POSITIONAL = ("x", "dt", "A", "B", "C", "chunk_size")
 class CallableImplementation(Implementation):
     """An Implementation around ``module:function``."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, fn=None):
+        """``fn``: the callable itself, when the caller has it (``target`` then only names it)."""
         self.name = target
         self.target = target
         self.description = f"any callable with mamba_chunk_scan_combined's signature: {target}"
-        self._fn = None
+        self._fn = fn
         self._problem: Optional[str] = None
         self._loaded = False
         self._capabilities = None
@@ -56,7 +57,7 @@ class CallableImplementation(Implementation):
         if not self._loaded:
             self._loaded = True
             try:
-                self._fn = upstream.load_callable(self.target)
+                self._fn = self._fn or upstream.load_callable(self.target)
             except upstream.Unavailable as err:
                 self._problem = str(err)
                 return

@@ -6,7 +6,7 @@ every feature, every stage. Registered so fuzz can set one oracle against anothe
 
 from __future__ import annotations
 
-from ssdiff import truth as oracle
+from ssdiff import truth
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.sides.registry import register
@@ -22,15 +22,15 @@ DESCRIPTIONS = {
 
 class OracleImplementation(Implementation):
     capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode", "layer"}),
-                                stages=oracle.STAGE_ORDER)
+                                stages=truth.STAGE_ORDER)
 
     def __init__(self, name: str):
         self.name = name
         self.description = DESCRIPTIONS[name]
 
     def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
-        return oracle.evaluate(case, inputs, self.name)
+        return truth.evaluate(case, inputs, self.name)
 
 
-for _name in oracle.ORACLES:
+for _name in truth.ORACLES:
     register(OracleImplementation(_name))

@@ -9,9 +9,9 @@ prefix caching it keeps the state at every chunk end. Each scenario is judged th
   at a point drawn from the case's seed, the first parts prefilled in one call, the rest in a second call from the
   states the first returned (``initial_states``) with the first parts counted as computed tokens; y and the
   final states are assembled and judged against the float64 oracle of the whole case like any other output.
-- `prefix_state_verdicts` judges the intermediate states (``return_intermediate_states``): the state at the end
-  of each logical chunk is the final state of the case cut at that token, so each is judged as the varlen
-  states of that prefix (oracle and same-precision baseline evaluated on the prefix's values).
+- `intermediate_states` returns the intermediate states (``return_intermediate_states``): the state at the end
+  of each logical chunk is the final state of the case cut at that token (`prefix_case`, `prefix_inputs`), so
+  each is judged as the varlen states of that prefix (ssdiff.investigate.serving).
 - `neighbour_mismatches` runs each sequence alone, in its pack, and beside an empty request, and lists the
   outputs that differ. The logical chunks of a sequence are the same in every pack (they follow its own token
   positions), every program reads only its own chunk, and nothing accumulates across programs (no atomics), so
@@ -27,15 +27,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ssdiff.budget import baseline
-from ssdiff import truth as oracle
 from ssdiff.model.case import Case
 from ssdiff.sides.chunk_metadata import chunk_metadata
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.sides.registry import register
 from ssdiff.sides.adapters.vllm import ChunkScanCombinedVarlen, Pack, pack, run_varlen
 from ssdiff.inputs import Inputs, cu_seqlens, seq_idx_rows
-from ssdiff.verdict.judge import judge
 
 TIME_MAJOR = ("x", "dt", "B", "C", "z")
 
@@ -170,29 +167,6 @@ def intermediate_states(rel, case: Case, tensors: dict) -> tuple:
     p = pack(case, tensors)
     _, states = run_varlen(rel, case, p, return_intermediate_states=True)
     return states, p.metadata
-
-
-def prefix_state_verdicts(name: str, case: Case, inputs: Inputs, states: torch.Tensor, metadata) -> list:
-    """One verdict per logical chunk end: the states of the sequences ended so far (their last chunks') and of
-    the one in progress (this chunk's) judged as the varlen states of the case cut there. ``case`` batch 1."""
-    if case.batch != 1:
-        raise ValueError(f"prefix_state_verdicts needs a batch-1 case, got batch={case.batch}")
-    out = []
-    last = list(metadata.last_chunk_indices)
-    for chunk in range(metadata.nchunks):
-        _, end = metadata.chunk_bounds(chunk)
-        seq = metadata.seq_idx[chunk]
-        sub = prefix_case(case, end)
-        sub_inputs = prefix_inputs(inputs, sub)
-        truth = oracle.evaluate(sub, sub_inputs)
-        samples = baseline.evaluate_samples(sub, sub_inputs, truth, oracle.evaluate)
-        states_only = lambda ev: Evaluation(outputs={"varlen_states": ev.outputs["varlen_states"]})
-        picked = [last[s] for s in range(seq)] + [chunk]
-        actual = Evaluation(outputs={"varlen_states": states[picked]})
-        verdict = judge(name, sub, sub_inputs, actual, states_only(truth), [states_only(e) for e in samples])
-        verdict.notes.append(f"state at the end of logical chunk {chunk} (token {end}, sequence {seq})")
-        out.append(verdict)
-    return out
 
 
 # ---- neighbours in the pack ----------------------------------------------------------------------------
