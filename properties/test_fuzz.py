@@ -11,22 +11,25 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import time
 
 import pytest
 
-from ssdiff.investigate import localize
-from ssdiff import runtime
-from ssdiff import store
-from ssdiff.investigate import tf32
-from ssdiff.model.case import Case
-from ssdiff.cli import main
+from ssdiff import runtime, store, truth
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
-from ssdiff.investigate.minimize import replay
 from ssdiff.campaign.pool import Mix
-from ssdiff.verdict.judge import Verdict
-from properties.test_upstream import ONE_CONFIG
+from ssdiff.cli import main
+from ssdiff.examine import Examiner
+from ssdiff.investigate import localize, tf32
+from ssdiff.investigate.minimize import replay
+from ssdiff.model.case import Case
+from ssdiff.sides import doubles
+from ssdiff.sides.base import Capabilities, Implementation
+from ssdiff.sides.registry import register
+from ssdiff.verdict.judge import FACTOR, Verdict
+
+# The search, not tuning: natively "tuned" compiles and benchmarks every config of every kernel of a new shape.
+ONE_CONFIG = 0
 
 
 def fuzz(impl, out, device, **kw):
@@ -91,8 +94,8 @@ def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path, device):
 def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, device, monkeypatch):
     spec = "ssdiff.sides.doubles:mask_bug"
     searching = []
-    real = Fuzzer._localize
-    monkeypatch.setattr(Fuzzer, "_localize", lambda self, f: (searching.append(self.report.search_s), real(self, f)))
+    real = Fuzzer.localize
+    monkeypatch.setattr(Fuzzer, "localize", lambda self, f: (searching.append(self.report.search_s), real(self, f)))
     report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",), keep_going=True)
     finding = only_finding(report)
     assert searching and all(s > 0 for s in searching)          # search_s is set when the search has ended
@@ -358,32 +361,41 @@ def test_a_float32_divergence_under_tf32_says_how_to_tell_tf32_from_a_defect(mon
     assert tf32.hint(Case(dtype="float32"), "cuda") is None
 
 
-@pytest.mark.parametrize("replay_exit", [0, 1])
-def test_a_float32_divergence_under_tf32_is_replayed_with_exact_float32_dots(monkeypatch, tmp_path, replay_exit):
-    """tf32.replay: only a float32 case on a GPU under TF32 is replayed, by `ssdiff replay` in a fresh process with
-    TRITON_F32_DEFAULT=ieee and the same config and sides; a replay within budget explains the divergence, one
-    that still diverges leaves it standing."""
-    runs = []
+class DotSensitive(Implementation):
+    """Planted: y is off by 10% unless float32 dots are exact (TRITON_F32_DEFAULT=ieee), as a kernel whose TF32
+    rounding were the whole of its error would be; it records the setting each run saw."""
 
-    def fake_run(cmd, **kwargs):
-        runs.append((cmd, kwargs["env"]["TRITON_F32_DEFAULT"]))
-        return subprocess.CompletedProcess(cmd, replay_exit, stdout="layer ...\nfla.mamba2_fused: within budget\n",
-                                           stderr="")
+    name = "planted.dot_sensitive"
+    capabilities = Capabilities(entries=frozenset({"chunk_scan"}))
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    monkeypatch.setattr(runtime, "fp32_dot", lambda: "tf32")
-    case = Case(seqlen=8, headdim=4, dstate=4, chunk_size=4, dtype="float32", pass_="backward", seed=3)
-    said = tf32.replay("fla.mamba2_fused", case, 1, "cuda", tmp_path, against="ref.quadratic")
-    assert said == (None if replay_exit else "layer ... fla.mamba2_fused: within budget")
-    (cmd, precision), = runs
-    assert precision == "ieee" and cmd[cmd.index("--autotune") + 1] == "1"
-    assert cmd[cmd.index("--impl") + 1] == "fla.mamba2_fused" and cmd[cmd.index("--against") + 1] == "ref.quadratic"
-    assert Case.load(cmd[cmd.index("replay") + 1]) == case
-    assert tf32.replay("fla.mamba2_fused", case.replace(dtype="bfloat16"), 1, "cuda", tmp_path) is None
-    assert tf32.replay("fla.mamba2_fused", case, 1, "cpu", tmp_path) is None
-    monkeypatch.setattr(runtime, "fp32_dot", lambda: "ieee")
-    assert tf32.replay("fla.mamba2_fused", case, 1, "cuda", tmp_path) is None
-    assert len(runs) == 1, "only the float32 case on a GPU under TF32 is replayed"
+    def __init__(self):
+        self.seen = []
+
+    def run(self, case, inputs, want_stages=False):
+        self.seen.append(os.environ.get("TRITON_F32_DEFAULT"))
+        out = doubles.healthy.run(case, inputs, want_stages)
+        if self.seen[-1] != "ieee":
+            out.outputs["y"] = out.outputs["y"] * 1.1
+        return out
+
+
+def test_a_float32_divergence_under_tf32_is_examined_again_with_exact_float32_dots(monkeypatch, device):
+    """tf32.replay: only a float32 case on a GPU under TF32 is examined again, in this process with
+    TRITON_F32_DEFAULT=ieee (restored after) and the same config and sides: within budget there it explains the
+    divergence (the verdicts on one line); still out of budget, the divergence stands."""
+    side = register(DotSensitive())
+    case = Case(seqlen=8, headdim=4, dstate=4, chunk_size=4, dtype="float32", seed=3)
+    monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    with Examiner([side.name], device) as examiner:
+        assert not examiner.examine(case).verdicts[side.name].ok          # off by 10% with TF32's dots
+    said = tf32.replay(side.name, case, 0, device)
+    assert said is not None and side.name in said and "\n" not in said
+    assert side.seen[-1] == "ieee" and "TRITON_F32_DEFAULT" not in os.environ
+    monkeypatch.setattr(DotSensitive, "run", lambda self, case, inputs, want_stages=False:
+                        doubles.group_bug.run(case, inputs, want_stages))
+    assert tf32.replay(side.name, case.replace(nheads=4, ngroups=2), 0, device) is None      # still diverges
+    assert tf32.replay(side.name, case.replace(dtype="float16"), 0, device) is None           # not float32
 
 
 @pytest.mark.parametrize("within_budget", [True, False])
@@ -397,14 +409,14 @@ def test_a_campaigns_float32_divergence_under_tf32_is_replayed_and_reported_apar
     monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
     monkeypatch.setattr(tf32, "replay", lambda *args, **kw: (replays.append((args, kw)),
                                                              "y within budget" if within_budget else None)[1])
-    real = Fuzzer._localize
-    monkeypatch.setattr(Fuzzer, "_localize", lambda self, f: (localized.append(f.number), real(self, f)))
+    real = Fuzzer.localize
+    monkeypatch.setattr(Fuzzer, "localize", lambda self, f: (localized.append(f.number), real(self, f)))
     report = fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",), keep_going=True)
     assert replays, f"nothing found in {report.tried} cases"
     (args, kw) = replays[0]
-    impl, case, choice, replay_device, folder, against = args
+    impl, case, choice, replay_device, against, oracle_name, factor = args
     assert impl == spec and case.dtype == "float32" and choice == ONE_CONFIG and replay_device == device
-    assert folder == str(tmp_path / "divergence-001") and against is None and kw == {}
+    assert against is None and kw == {} and (oracle_name, factor) == (truth.DEFAULT_ORACLE, FACTOR)
     summary = json.loads((tmp_path / "summary.json").read_text())
     if within_budget:
         assert report.exit_code == 0 and not report.findings and not localized
@@ -473,19 +485,19 @@ def test_a_tuned_case_runs_config_0_while_its_key_is_compiling(tmp_path, device)
         def wait(self, case, timeout, index=None):
             return case in compiled
 
-    fuzzer.compiler = Workers()
+    fuzzer.schedule.compiler = Workers()
     case = plain.case(backward=True)
-    assert fuzzer._choice_for(plain, case, "tuned") == 0
-    assert fuzzer._choice_for(edge, edge.case(), "tuned") == edge.boundary.config
+    assert fuzzer.schedule.choice_for(plain, case, "tuned") == 0
+    assert fuzzer.schedule.choice_for(edge, edge.case(), "tuned") == edge.boundary.config
     compiled.add(plain.case(backward=False))                 # the other pass's representative is not this one's
-    assert fuzzer._choice_for(plain, case, "tuned") == 0
+    assert fuzzer.schedule.choice_for(plain, case, "tuned") == 0
     compiled.add(case)
-    assert fuzzer._choice_for(plain, case, "tuned") == "tuned"
-    assert fuzzer._choice_for(plain, case, 3) == 3
+    assert fuzzer.schedule.choice_for(plain, case, "tuned") == "tuned"
+    assert fuzzer.schedule.choice_for(plain, case, 3) == 3
     assert fuzzer.report.untuned_while_compiling == 2
     assert fuzzer.report.throughput()["untuned_while_compiling"] == 2
-    fuzzer.compiler = None
-    assert fuzzer._choice_for(plain, plain.case(), "tuned") == "tuned"
+    fuzzer.schedule.compiler = None
+    assert fuzzer.schedule.choice_for(plain, plain.case(), "tuned") == "tuned"
 
 
 @pytest.mark.parametrize("workers_up", [True, False])
@@ -520,11 +532,11 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
             return workers_up
 
     submitted = []
-    fuzzer.compiler = Workers()
-    fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
-    fuzzer._start = time.perf_counter()
-    fuzzer._compile_ahead(keys)
-    assert fuzzer._representatives(keys) is False
+    fuzzer.schedule.compiler = Workers()
+    fuzzer.judge = lambda case, choice, target=None: judged.append((case, choice)) and False
+    fuzzer.budget.start()
+    fuzzer.schedule.compile_ahead(keys)
+    assert fuzzer.schedule.representatives(keys, fuzzer.judge) is False
     reps = sorted(((k.case(backward=b), k) for k in keys for b in (False, True)),
                   key=lambda rep: (rep[0].backward, rep[1].kind == "production"))
     assert submitted == [case for case, _ in reps]            # compiled in the order they are judged
@@ -540,11 +552,11 @@ def test_representatives_are_judged_as_soon_as_their_config_is_compiled(tmp_path
     tuned = [(case, "tuned") for case, key in reps if not key.boundary]
     if compiling:
         assert judged == [(case, key.boundary.config if key.boundary else 0) for case, key in reps]
-        assert fuzzer._tuned_pending == [case for case, _ in tuned]
-        assert fuzzer._judge_tuned_pending() is False and judged[len(reps):] == []     # still compiling
+        assert fuzzer.schedule.pending == [case for case, _ in tuned]
+        assert fuzzer.schedule.judge_pending(fuzzer.judge) is False and judged[len(reps):] == []     # still compiling
         compiling = False
-        assert fuzzer._judge_tuned_pending() is False and judged[len(reps):] == tuned  # now every config is in
-        assert fuzzer._tuned_pending == []
+        assert fuzzer.schedule.judge_pending(fuzzer.judge) is False and judged[len(reps):] == tuned  # now every config is in
+        assert fuzzer.schedule.pending == []
         assert not any((case, None) in waited for case, _ in tuned)     # never waited for every config
     else:
         assert judged == at_boundary + tuned
@@ -572,10 +584,10 @@ def test_no_representative_is_judged_after_the_budget_ran_out_while_it_waited(tm
         def ready(self):
             return True
 
-    fuzzer.compiler = Workers()
-    fuzzer._judge = lambda case, choice, target=None: judged.append((case, choice)) and False
-    fuzzer._start = time.perf_counter()
-    assert fuzzer._representatives(fuzzer.pool.keys) is False
+    fuzzer.schedule.compiler = Workers()
+    fuzzer.judge = lambda case, choice, target=None: judged.append((case, choice)) and False
+    fuzzer.budget.start()
+    assert fuzzer.schedule.representatives(fuzzer.pool.keys, fuzzer.judge) is False
     assert judged == []
     assert 0.15 < fuzzer.report.compile_wait_s < 5.0         # the one wait: the budget's 0.2 s
 
@@ -584,7 +596,7 @@ def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
     """Natively the workers are given the keys of the next COMPILE_AHEAD_ROUNDS rotations before the search starts,
     and after each rotation the one then planned that far ahead: a key arriving at round r was queued by round
     r - COMPILE_AHEAD_ROUNDS, and none twice."""
-    from ssdiff.campaign.fuzz import COMPILE_AHEAD_ROUNDS
+    from ssdiff.campaign.schedule import COMPILE_AHEAD_ROUNDS
 
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=None,
                                max_time=60, pool=True, compile_ahead=False, autotune=0, pass_="forward",
@@ -609,8 +621,8 @@ def test_the_keys_of_the_next_rotations_are_compiled_ahead(tmp_path, device):
         def close(self):
             pass
 
-    fuzzer.compiler = Workers()
-    fuzzer._judge = lambda case, choice, target=None: False          # nothing judged: five idle rounds end it
+    fuzzer.schedule.compiler = Workers()
+    fuzzer.judge = lambda case, choice, target=None: False          # nothing judged: five idle rounds end it
     rotate = fuzzer.pool.rotate
 
     def recording_rotate():
@@ -629,7 +641,8 @@ def test_each_compile_key_gets_its_share_of_a_rounds_cases(tmp_path, device):
     """A pooled round is one search per key, so each key gets an equal share of the round's examples, in the
     targeted round too, where the small keys' cases score higher (a search that picks each case's key gives the
     keys unequal shares); a huge key gets HUGE_CASES_PERCENT."""
-    from ssdiff.campaign.fuzz import HUGE_CASES_PERCENT, ROUND_EXAMPLES, at_production_shape, round_shares
+    from ssdiff.campaign.results import at_production_shape
+    from ssdiff.campaign.schedule import HUGE_CASES_PERCENT, ROUND_EXAMPLES, round_shares
 
     fuzzer = Fuzzer(FuzzConfig(impl="ssdiff.triton", device=device, entry="chunk_scan", max_examples=210,
                                pool=True, compile_ahead=False, autotune=0, pass_="mixed", dtypes=("float32",),
@@ -646,7 +659,7 @@ def test_each_compile_key_gets_its_share_of_a_rounds_cases(tmp_path, device):
             target(0.0 if production else 1.0, label="log10 ratio to budget")
         return False
 
-    fuzzer._judge = judge
+    fuzzer.judge = judge
     fuzzer.run()
     # 8 representatives, round 0 (100 cases), the new key's 2 representatives, round 1 (targeted: 100 cases)
     assert len(searched) == 2 * ROUND_EXAMPLES

@@ -27,245 +27,32 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import platform
 import shutil
 import time
-from array import array
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Optional
 
-from ssdiff.inputs import huge
+from ssdiff import runtime, store
+from ssdiff.campaign.config import GPU_BOUNDS, FuzzConfig, plan
+from ssdiff.campaign.results import Finding, FuzzReport
+from ssdiff.campaign.schedule import (COMPILE_AHEAD_ROUNDS, ROUND_EXAMPLES, Budget, Schedule, round_shares)
+from ssdiff.examine import Examiner, Outcome, UsageError
+from ssdiff.investigate import localize, tf32
+from ssdiff.model.strategies import cases, maybe_boundary
 from ssdiff.registry import known
-from ssdiff.investigate import localize
-from ssdiff import truth
-from ssdiff import runtime
-from ssdiff import store
-from ssdiff.investigate import tf32
-from ssdiff.sides import tiling
-from ssdiff.examine import PHASES, Examiner, Outcome, UsageError
-from ssdiff.campaign.pool import POOLED_ENTRIES, Mix, Pool
-from ssdiff.sides.environment import environment
-from ssdiff.model.strategies import Bounds, cases, maybe_boundary
-from ssdiff.verdict.judge import (FACTOR, PROCESS_FAILURES, REQUIRED_GROUPS, RUN_FAILURES, budget_rule, factor_spread,
-                             required_factors)
+from ssdiff.report import render_run
+from ssdiff.verdict.judge import PROCESS_FAILURES, RUN_FAILURES, budget_rule
 
-PASSES = ("forward", "backward", "mixed")
-
-
-def at_production_shape(case) -> bool:
-    """A case at the shapes models run (the throughput figure's production share)."""
-    return case.seqlen >= 2048 and case.dstate >= 128
-
-
-ROUND_EXAMPLES = 100
-# Natively, the keys of the next rounds' rotations are compiled ahead (harness/campaign/precompile.py), this many: on a warm
-# cache the workers, with nothing of the current keys to do, get that far ahead of the search.
-COMPILE_AHEAD_ROUNDS = 3
-# The percentage of a round's cases drawn from its huge key, when it has one (harness/inputs/huge.py: each takes seconds).
-HUGE_CASES_PERCENT = 2
-# How long a key's representative case waits for the workers compiling it ahead (harness/campaign/precompile.py); past
-# that, this process compiles what is missing itself.
-COMPILE_WAIT_S = 120.0
 # How often a campaign rewrites progress.json in its output folder (seconds).
 PROGRESS_FILE_S = 2.0
-AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
-
-# Larger shapes where kernels run natively (the float64 oracle on a GPU keeps up).
-GPU_BOUNDS = Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=64, max_dstate=64,
-                    chunk_sizes=(16, 32, 64, 128, 256))
-
-
-@dataclass
-class FuzzConfig:
-    """impl / against: implementation specs (registry names or module:attr); against None: the oracle is
-    the other side. max_time (s) / max_examples: budgets (None: unbounded; at least one should be set).
-    entry: an entry point, or None for every one both sides take. pass_: forward, backward or mixed.
-    dtypes: None for every dtype all sides run here. autotune: "tuned", a config index, "random" (an index
-    drawn per case) or "sweep" (every config of every kernel, each case). isolate: run implementations in
-    a child process (crash and hang become verdicts); timeout: seconds per run there."""
-
-    impl: str
-    against: Optional[str] = None
-    max_time: Optional[float] = 300.0
-    max_examples: Optional[int] = None
-    entry: Optional[str] = None
-    pass_: str = "mixed"
-    dtypes: Optional[tuple] = None
-    autotune: object = "tuned"
-    device: Optional[str] = None
-    out_dir: Optional[str] = None
-    isolate: bool = False
-    timeout: float = 300.0
-    keep_going: bool = False
-    # Known upstream defects (harness/registry/known.py): "report" judges and labels them, "skip" leaves their cases out,
-    # "ignore" does not consult the registry (a divergence it would match counts as new).
-    known: str = "report"
-    seed: Optional[int] = None
-    localize: bool = True
-    # Minimize each divergence found (minimized.json, minimized-verdict.json, repro.py in its folder).
-    minimize: bool = True
-    minimize_runs: int = 150
-    bounds: Optional[Bounds] = None
-    # Draw each round's cases from a rotating pool of compile keys (harness/campaign/pool.py): None natively only (where
-    # kernels compile), True always, False never.
-    pool: Optional[bool] = None
-    # The pool's kinds of key; None: Mix() with the default bounds, no production keys with bounds given (a
-    # campaign told to stay small stays small).
-    pool_mix: Optional[Mix] = None
-    # The chance a production key is huge instead (harness/inputs/huge.py; Mix.huge): natively, the nightly campaign's.
-    huge: float = 0.0
-    # With a pool: compile each key's representative case ahead in worker processes (harness/campaign/precompile.py).
-    compile_ahead: bool = True
-    oracle: str = truth.DEFAULT_ORACLE
-    factor: float = FACTOR
-    ablation_runs: Optional[int] = None
-    # The HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report); None: no report.
-    report_dir: Optional[str] = field(default_factory=lambda: os.environ.get("SSDIFF_REPORTS") or "reports")
-
-
-@dataclass
-class Finding:
-    number: int
-    outcome: Outcome
-    localization: dict
-    found_after_s: float
-    cases_before: int
-    path: Optional[str] = None
-    repeats: int = 0
-    staged: dict = field(default_factory=dict)     # side -> Verdict with stages (the localization re-run)
-    minimized: Optional[object] = None             # ssdiff.investigate.minimize.Minimized, when minimized
-    minimize_problem: str = ""                     # why it was not minimized (it no longer diverges, ...)
-    minimize_seconds: float = 0.0
-    # float32 under TF32 (harness/investigate/tf32.py): what the replay with exact float32 dots said within budget (the
-    # finding then moves to FuzzReport.tf32_explained), "" where it still diverged there, None where not replayed
-    tf32_replay: Optional[str] = None
-
-
-@dataclass
-class FuzzReport:
-    config: FuzzConfig
-    out_dir: str
-    tried: int = 0
-    skipped: int = 0
-    skip_reasons: dict = field(default_factory=dict)
-    harness_errors: list = field(default_factory=list)
-    worst: dict = field(default_factory=dict)          # dtype -> {ratio, side, tensor, case}
-    worst_by_side: dict = field(default_factory=dict)
-    findings: list = field(default_factory=list)
-    # float32 divergences under TF32 within budget replayed with exact float32 dots (harness/investigate/tf32.py): TF32's loss,
-    # reported apart from the findings
-    tf32_explained: list = field(default_factory=list)
-    elapsed: float = 0.0
-    stopped: str = ""
-    first_divergence_s: Optional[float] = None
-    first_judged_s: Optional[float] = None             # time to the first judged case (compilation included)
-    search_s: float = 0.0                              # time spent searching (localize / minimize / report after)
-    setup_s: float = 0.0                               # before the search: imports, loading the implementations
-    production_cases: int = 0                          # judged cases at production shapes (at_production_shape)
-    untuned_while_compiling: int = 0                   # tuned cases judged under config 0, their key compiling
-    compile_wait_s: float = 0.0                        # waiting for the workers compiling ahead (precompile.py)
-    # where the judged cases' time went, by shape ("production" / "other"): {"cases": n, "examine": s, and the
-    # seconds of each of ssdiff.examine.PHASES}
-    case_seconds: dict = field(default_factory=dict)
-    report_path: Optional[str] = None
-    known: dict = field(default_factory=dict)          # defect id -> what the campaign saw of it
-    # "side dtype" -> {"outputs": array, "gradients": array}: every required factor (verdict.required_factors) of
-    # what no known defect explains, 8 bytes each (a day's campaign judges millions of tensors)
-    required: dict = field(default_factory=dict)
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.findings else 0
-
-    def throughput(self) -> dict:
-        """Cases judged per minute of search, and the time to the first one."""
-        minutes = self.search_s / 60.0
-        per_case = {kind: {"cases": t["cases"], "examine_s": round(t["examine"] / t["cases"], 4),
-                           **{f"{phase}_s": round(t[phase] / t["cases"], 4) for phase in PHASES}}
-                    for kind, t in sorted(self.case_seconds.items())}
-        examined = sum(t["examine"] for t in self.case_seconds.values())
-        return {"judged": self.tried, "skipped": self.skipped,
-                "judged_per_minute": round(self.tried / minutes, 1) if minutes > 0 else None,
-                "first_judged_after_s": None if self.first_judged_s is None else round(self.first_judged_s, 2),
-                "setup_s": round(self.setup_s, 2),
-                "search_s": round(self.search_s, 2), "production_shape_cases": self.production_cases,
-                "untuned_while_compiling": self.untuned_while_compiling,
-                "compile_wait_s": round(self.compile_wait_s, 2),
-                # examine: inputs, oracle, baseline, the sides' runs (compiling and tuning included) and verdicts;
-                # compile_wait: representatives waiting for the workers; the rest of search_s is drawing, fitting
-                # and the search's own work
-                "examine_s": round(examined, 2), "per_case": per_case}
-
-    def required_factor_by_side(self) -> dict:
-        """Per side and dtype, how much of the budget its judged outputs and gradients used: the required
-        factor's count, median, 99th percentile and maximum (harness/tools/calibrate.py's figures, for this campaign)."""
-        rounded = lambda x: None if x is None else round(x, 4)
-        return {key: {group: {k: (v if k == "verdicts" else rounded(v)) for k, v in factor_spread(values).items()}
-                      for group, values in groups.items()} for key, groups in sorted(self.required.items())}
-
-    def summary(self) -> dict:
-        cfg = self.config
-        return {
-            "impl": cfg.impl, "against": cfg.against or f"oracle ({cfg.oracle})", "device": cfg.device,
-            "runtime": runtime.describe(), "entry": cfg.entry, "pass": cfg.pass_, "dtypes": list(cfg.dtypes or ()),
-            "autotune": cfg.autotune, "isolate": cfg.isolate, "timeout_s": cfg.timeout, "seed": cfg.seed,
-            "max_time_s": cfg.max_time, "max_examples": cfg.max_examples, "factor": cfg.factor,
-            "cases_tried": self.tried, "cases_skipped": self.skipped, "skip_reasons": self.skip_reasons,
-            "harness_errors": self.harness_errors,
-            "elapsed_s": round(self.elapsed, 2), "stopped": self.stopped,
-            "first_divergence_after_s": None if self.first_divergence_s is None else round(self.first_divergence_s, 2),
-            "throughput": self.throughput(),
-            "largest_ratio_by_dtype": self.worst, "largest_ratio_by_side": self.worst_by_side,
-            "required_factor_by_side": self.required_factor_by_side(),
-            "divergences": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
-                             "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
-                             "cases_before": f.cases_before, "case": f.outcome.case.describe(),
-                             "summary": f.localization.get("text", ""),
-                             "minimized": f.minimized.minimal.describe() if f.minimized else None,
-                             "minimize_problem": f.minimize_problem or None,
-                             "tf32_replay": f.tf32_replay} for f in self.findings],
-            "tf32_explained": [{"number": f.number, "path": f.path, "signature": _sig_text(f.outcome.signature()),
-                                "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
-                                "case": f.outcome.case.describe(), "replay": f.tf32_replay}
-                               for f in self.tf32_explained],
-            "known_policy": cfg.known, "known": list(self.known.values()),
-            "python": platform.python_version(), "platform": platform.platform(),
-            "environment": environment(cfg.device),
-        }
-
-
-def _sig_text(sig) -> str:
-    return "; ".join(f"{side}: {status}" + (f" in {', '.join(names)}" if names else "") for side, status, names in sig)
-
-
-def round_shares(keys, examples: int, round_: int) -> list:
-    """(slot, key, examples) of each search of a pooled round: its ``examples`` spread over its keys, a huge key
-    HUGE_CASES_PERCENT of them, the others equal shares (the remainder one each, from slot ``round_`` on), in slot
-    order from ``round_`` (so that a round cut short by the budget does not always cut the same kind of key).
-    One search per key, not one whose draws pick the key: Hypothesis picks a key where its draws lead (unequal
-    shares; a targeted search climbs in the key of its largest ratio), while a key's share of the cases should be
-    its share of the keys (a production key's, the pool's Mix.production)."""
-    n = len(keys)
-    order = [(round_ + i) % n for i in range(n)]
-    big = [i for i in order if keys[i].kind == "huge"]
-    regular = [i for i in order if keys[i].kind != "huge"]
-    counts = dict.fromkeys(order, 0)
-    if regular:
-        for i in big:
-            counts[i] = round(examples * HUGE_CASES_PERCENT / 100)
-        left = examples - sum(counts.values())
-        for j, i in enumerate(regular):
-            counts[i] = left // len(regular) + (j < left % len(regular))
-    else:
-        for j, i in enumerate(big):
-            counts[i] = examples // len(big) + (j < examples % len(big))
-    return [(i, keys[i], counts[i]) for i in order if counts[i]]
 
 
 class Fuzzer:
     """Runs one fuzz campaign. ``progress(state: dict)`` is called after every case; ``observe(outcome)``
-    after every judged one (a calibration run collects its ratios there)."""
+    after every judged one (a calibration run collects its ratios there). Its parts: ``examiner`` (every case is
+    examined through it), ``plan`` (ssdiff.campaign.config.Plan), ``budget`` and ``schedule``
+    (ssdiff.campaign.schedule), ``report`` (ssdiff.campaign.results.FuzzReport); `judge` fits, examines and
+    records one case."""
 
     def __init__(self, config: FuzzConfig, progress: Optional[Callable[[dict], None]] = None,
                  observe: Optional[Callable[[Outcome], None]] = None, started: Optional[float] = None):
@@ -281,59 +68,8 @@ class Fuzzer:
         self.examiner = Examiner([cfg.impl] + ([cfg.against] if cfg.against else []), cfg.device,
                                  oracle_name=cfg.oracle, factor=cfg.factor, isolate=cfg.isolate, timeout=cfg.timeout)
         self.impls = self.examiner.impls
-        if cfg.pass_ not in PASSES:
-            raise UsageError(f"--pass must be one of {', '.join(PASSES)}, got {cfg.pass_!r}")
-        if cfg.known not in known.KNOWN_POLICIES:
-            raise UsageError(f"--known must be one of {', '.join(known.KNOWN_POLICIES)}, got {cfg.known!r}")
-        if not (cfg.autotune in AUTOTUNE_POLICIES or (isinstance(cfg.autotune, int) and cfg.autotune >= 0)):
-            raise UsageError(f"--autotune must be tuned, random, sweep or a config index, got {cfg.autotune!r}")
-        if cfg.max_time is None and cfg.max_examples is None:
-            raise UsageError("give a time budget or an example budget (or both)")
-        if not 0.0 <= cfg.huge <= 1.0:
-            raise UsageError(f"--huge is a chance between 0 and 1, got {cfg.huge!r}")
-        entries = set.intersection(*(set(i.capabilities.entries) for i in self.impls.values()))
-        if cfg.entry is not None:
-            if cfg.entry not in entries:
-                raise UsageError(f"entry {cfg.entry!r} is not implemented by every side (they share: "
-                                 f"{', '.join(sorted(entries)) or 'none'})")
-            entries = {cfg.entry}
-        if not entries:
-            raise UsageError("the implementations share no entry point")
-        self.entries = tuple(sorted(entries))
-        runnable = set(runtime.runnable_dtypes())
-        dtypes = set.intersection(runnable, *(set(i.capabilities.dtypes) for i in self.impls.values()))
-        if cfg.dtypes:
-            unknown = [d for d in cfg.dtypes if d not in dtypes]
-            if unknown:
-                raise UsageError(f"dtype {unknown[0]} cannot be judged here for every side "
-                                 f"(runnable: {', '.join(sorted(dtypes)) or 'none'}; "
-                                 f"{runtime.dtype_skip_reason(unknown[0]) or 'an implementation does not take it'})")
-            dtypes = set(cfg.dtypes)
-        if not dtypes:
-            raise UsageError("no dtype runs here for every side")
-        cfg.dtypes = tuple(d for d in ("float32", "float16", "bfloat16") if d in dtypes)
-        has_backward = all(i.capabilities.backward for i in self.impls.values())
-        if cfg.pass_ == "backward" and not has_backward:
-            raise UsageError("--pass backward: an implementation has no backward")
-        self.backward = {"forward": False, "backward": True, "mixed": None}[cfg.pass_] if has_backward else False
-        self.bounds = cfg.bounds or (GPU_BOUNDS if cfg.device.startswith("cuda") else Bounds())
-        # Block-size boundaries of every side's kernels (harness/sides/tiling.py), drawn at bounds.boundary_rate.
-        found = {}
-        for impl in self.impls.values():
-            for b in tiling.boundaries(impl, cfg.device):
-                found.setdefault((b.dim, b.value, b.block), b)
-        self.boundaries = tuple(found[k] for k in sorted(found))
-        # Natively, cases come from a rotating pool of compile keys (harness/campaign/pool.py; its entries only, and only
-        # where a side has kernels to compile); interpreted, or with no kernels (a torch-only layer), freely.
-        self.pool = None
-        use_pool = (not runtime.interpreted()) if cfg.pool is None else cfg.pool
-        if use_pool and any(i.kernel_modules() for i in self.impls.values()) and set(self.entries) <= POOLED_ENTRIES:
-            mix = cfg.pool_mix or (Mix(huge=cfg.huge) if cfg.bounds is None else Mix(production=0.0))
-            self.pool = Pool(self.entries, cfg.dtypes, self.bounds, self.boundaries, mix=mix,
-                             seed=cfg.seed, fit=self.examiner.fit, backward=self.backward)
-        if cfg.huge and (self.pool is None or cfg.pool_mix is not None or cfg.bounds is not None):
-            raise UsageError("--huge draws production keys of the compile pool: natively (where the pool is on), "
-                             "with the default sizes")
+        self.plan = plan(cfg, self.examiner)
+        self.pool = self.plan.pool
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -344,20 +80,19 @@ class Fuzzer:
                         "id": defect.id, "implementations": list(defect.implementations),
                         "releases": defect.releases, "statement": defect.statement, "status": defect.status,
                         "reproduced": 0, "matched_not_reproduced": 0, "first_example": None})
-        self._start = None
-        self._stop_requested: Optional[str] = None
-        self._progress_written = -PROGRESS_FILE_S
-        self._signatures: dict = {}
-        self._tuned_pending: list = []      # representatives judged under config 0, to be judged tuned
-        self.compiler = None
+        self.budget = Budget(cfg.max_time, cfg.max_examples, lambda: self.report.tried)
+        compiler = None
         if self.pool is not None and cfg.compile_ahead:
             from ssdiff.campaign.precompile import Compiler
 
-            self.compiler = Compiler(self.impls, cfg.device, cfg.autotune)
+            compiler = Compiler(self.impls, cfg.device, cfg.autotune)
+        self.schedule = Schedule(cfg.autotune, self.plan.backward, self.budget, self.report, compiler)
+        self._progress_written = -PROGRESS_FILE_S
+        self._signatures: dict = {}
 
     # ---- known defects ------------------------------------------------------------------------------------
 
-    def _note_known(self, outcome: Outcome) -> set:
+    def note_known(self, outcome: Outcome) -> set:
         """Count what the registry explains in ``outcome``; return the sides whose divergence it explains."""
         explained = set()
         for side, v in outcome.verdicts.items():
@@ -374,50 +109,10 @@ class Fuzzer:
             explained.add(side)
             if entry["first_example"] is None:
                 entry.update(first_example=outcome.case.to_dict(), first_case=outcome.case.describe(),
-                             first_side=side, first_message=v.message(), first_after_s=round(self._elapsed(), 2))
+                             first_side=side, first_message=v.message(), first_after_s=round(self.budget.elapsed(), 2))
         return explained
 
     # ---- the campaign ------------------------------------------------------------------------------------
-
-    def _elapsed(self) -> float:
-        return time.perf_counter() - self._start
-
-    def _time_left(self, cap: float) -> float:
-        """``cap`` seconds, or what is left of the time budget if less."""
-        if self.config.max_time is None:
-            return cap
-        return min(cap, self.config.max_time - self._elapsed())
-
-    def _out_of_budget(self) -> Optional[str]:
-        cfg = self.config
-        if self._stop_requested:
-            return self._stop_requested
-        if cfg.max_time is not None and self._elapsed() >= cfg.max_time:
-            return f"time budget ({cfg.max_time:g} s) spent"
-        if cfg.max_examples is not None and self.report.tried >= cfg.max_examples:
-            return f"example budget ({cfg.max_examples}) spent"
-        return None
-
-    def _note_ratios(self, outcome: Outcome, explained: set = frozenset()):
-        """The largest ratios so far and every required factor, of what no known defect explains (the ``explained``
-        sides are left out)."""
-        dtype = outcome.case.dtype
-        for side, v in outcome.verdicts.items():
-            if side in explained:
-                continue
-            key = f"{side} {dtype}"
-            groups = self.report.required.setdefault(key, {group: array("d") for group in REQUIRED_GROUPS.values()})
-            for group, _, required in required_factors(v, self.config.factor):
-                groups[group].append(required)
-            if not math.isfinite(v.ratio) or v.status not in ("ok", "diverged"):
-                continue
-            worst = v.worst()
-            item = {"ratio": v.ratio, "side": side, "tensor": worst.name if worst else None,
-                    "case": outcome.case.describe()}
-            if v.ratio >= self.report.worst.get(dtype, {}).get("ratio", -1.0):
-                self.report.worst[dtype] = item
-            if v.ratio >= self.report.worst_by_side.get(key, {}).get("ratio", -1.0):
-                self.report.worst_by_side[key] = item
 
     def _record(self, outcome: Outcome) -> Finding:
         """The finding of the outcome's signature: a new one (saved in its folder; without keep_going replayed
@@ -430,7 +125,7 @@ class Fuzzer:
         loc["text"] = loc["sides"]["text"]
         number = len(self.report.findings) + len(self.report.tf32_explained) + 1
         finding = Finding(number=number, outcome=outcome, localization=loc,
-                          found_after_s=self._elapsed(), cases_before=self.report.tried - 1)
+                          found_after_s=self.budget.elapsed(), cases_before=self.report.tried - 1)
         self._signatures[sig] = finding
         self.report.findings.append(finding)
         if self.report.first_divergence_s is None:
@@ -439,22 +134,20 @@ class Fuzzer:
         if not self.config.keep_going:
             self._replay_with_exact_dots(finding)
             if self.config.localize and not finding.tf32_replay:
-                self._localize(finding)
+                self.localize(finding)
                 self._write(finding)
         return finding
 
     def _replay_with_exact_dots(self, finding: Finding) -> None:
-        """A float32 finding under TF32 replayed with exact float32 dots (harness/investigate/tf32.py). Within budget there it
-        moves from the findings to tf32_explained: TF32's loss, reported apart. Not replayed (the message keeps
-        the hint) under a sweep of configs, another oracle or factor: `ssdiff replay` runs one config and judges
-        with the default oracle and factor. Nor where a side's run failed (error, crash, hang): TF32 moves numbers,
-        and the replay runs in-process, where a hang holds it for the replay's whole timeout."""
+        """A float32 finding under TF32 examined again with exact float32 dots (harness/investigate/tf32.py). Within
+        budget there it moves from the findings to tf32_explained: TF32's loss, reported apart. Not under a sweep
+        of configs (the replay runs one), nor where a side's run failed (error, crash, hang): TF32 moves numbers,
+        and the replay runs in this process, where a hang would hold it."""
         cfg, o = self.config, finding.outcome
         if finding.tf32_replay is not None or not tf32.applies(o.case, cfg.device) or o.choice == "sweep" \
-                or cfg.factor != FACTOR or cfg.oracle != truth.DEFAULT_ORACLE \
                 or any(v.status in RUN_FAILURES for v in o.verdicts.values()):
             return
-        said = tf32.replay(cfg.impl, o.case, o.choice, cfg.device, finding.path, cfg.against)
+        said = tf32.replay(cfg.impl, o.case, o.choice, cfg.device, cfg.against, cfg.oracle, cfg.factor)
         finding.tf32_replay = said or ""
         if said:
             self.report.findings.remove(finding)
@@ -465,11 +158,10 @@ class Fuzzer:
             finding.path = str(shutil.move(finding.path, folder))
         self._write(finding)
 
-    def _localize(self, finding: Finding) -> None:
-        """Stage, coordinates, trigger (harness/investigate/localize.py): re-runs with stages, ablations, configs. With
-        keep_going it runs after the search, as minimization does: natively each ablation is a new kernel
-        specialization compiled on the spot, and localizing one divergence in the middle of a campaign took
-        its whole time budget (an H200 layer campaign: 11 cases judged in 165 s)."""
+    def localize(self, finding: Finding) -> None:
+        """Stage, coordinates, trigger (harness/investigate/localize.py): re-runs with stages, ablations, configs.
+        With keep_going it runs after the search, as minimization does: natively each ablation is a new kernel
+        specialization compiled on the spot, which in the middle of a search would spend its time budget."""
         try:
             finding.localization, finding.staged = localize.investigate(
                 self.examiner, finding.outcome, self.config.ablation_runs,
@@ -515,13 +207,13 @@ class Fuzzer:
         """Tell ``progress`` where the campaign stands, and (every PROGRESS_FILE_S) write it to progress.json
         in the output folder, for whoever watches a long run (`ssdiff fuzz --jobs` merges its jobs' lines)."""
         r = self.report
-        elapsed = self._elapsed()
+        elapsed = self.budget.elapsed()
         state = {"tried": r.tried, "skipped": r.skipped, "elapsed": elapsed,
                  "per_minute": 60.0 * r.tried / elapsed if elapsed > 0 else 0.0,
                  "max_time": self.config.max_time, "max_examples": self.config.max_examples,
                  "worst": r.worst, "divergences": len(r.findings),
                  "known": sum(k["reproduced"] for k in r.known.values()),
-                 "ahead": self.compiler.progress() if self.compiler else None,
+                 "ahead": self.schedule.compiler.progress() if self.schedule.compiler else None,
                  "last": last.case.describe() if last else None}
         if elapsed - self._progress_written >= PROGRESS_FILE_S:
             self._progress_written = elapsed
@@ -532,7 +224,7 @@ class Fuzzer:
     def request_stop(self, why: str = "interrupted") -> None:
         """End the search after the case being judged (a signal handler may call it): the summary and the
         report are written as for a spent budget."""
-        self._stop_requested = why
+        self.budget.request_stop(why)
 
     def _minimize(self, finding: Finding):
         """Shrink one finding in its folder (minimized.json, minimized-verdict.json, repro.py). A run that
@@ -550,7 +242,7 @@ class Fuzzer:
             finding.minimize_problem = str(exc)
         finding.minimize_seconds = time.perf_counter() - start
 
-    def _judge(self, case, choice, target=None) -> bool:
+    def judge(self, case, choice, target=None) -> bool:
         """Fit, judge and record one drawn case; True when the campaign should stop (a divergence found)."""
         cfg = self.config
         fitted = self.examiner.fit(case)
@@ -584,19 +276,9 @@ class Fuzzer:
 
             self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
             return False
-        self.report.tried += 1
-        if self.report.first_judged_s is None:
-            self.report.first_judged_s = self._elapsed()
-        production = at_production_shape(fitted)
-        self.report.production_cases += production
-        tally = self.report.case_seconds.setdefault("production" if production else "other",
-                                                    dict.fromkeys(("cases", "examine", *PHASES), 0.0))
-        tally["cases"] += 1
-        tally["examine"] += outcome.seconds
-        for phase in PHASES:
-            tally[phase] += outcome.phases.get(phase, 0.0)
-        explained = self._note_known(outcome)
-        self._note_ratios(outcome, explained)
+        self.report.note_judged(outcome, self.budget.elapsed())
+        explained = self.note_known(outcome)
+        self.report.note_ratios(outcome, cfg.factor, explained)
         if self.observe is not None:
             self.observe(outcome)
         # Known defects do not steer the search: it climbs toward the largest error nothing explains.
@@ -612,92 +294,6 @@ class Fuzzer:
         self._progress(outcome)
         return False
 
-    def _compile_ahead(self, keys) -> None:
-        """Natively: compile the keys' representative cases in worker processes (harness/campaign/precompile.py), in the
-        order they are judged (`_representatives_of`)."""
-        if self.compiler is None:
-            return
-        # not a huge key's: each worker would draw the whole case (harness/inputs/huge.py)
-        self.compiler.submit([case for case, _ in self._representatives_of(keys) if not huge.is_huge(case)])
-
-    def _representatives_of(self, keys) -> list:
-        """(case, the config it is judged under) of each key's representatives: forward ones first, then backward
-        ones, production shapes last in each (the cheapest verdicts first)."""
-        backward = (False, True) if self.backward is None else (self.backward,)
-        cfg, reps = self.config, []
-        for key in keys:
-            choice = key.boundary.config if key.boundary is not None and cfg.autotune in ("tuned", "random") \
-                else (0 if cfg.autotune == "random" else cfg.autotune)
-            # one case for both passes where the key's cases are forward only (a decoded layer)
-            reps += [(case, choice, key.kind in ("production", "huge"))
-                     for case in dict.fromkeys(key.case(backward=b) for b in backward)]
-        return [(case, choice) for case, choice, _ in sorted(reps, key=lambda rep: (rep[0].backward, rep[2]))]
-
-    def _representatives(self, keys) -> bool:
-        """Judge each key's representative case first (what was compiled ahead); True when a divergence stops
-        the campaign. Where cases are compiled ahead, each representative is judged as soon as the config it runs
-        under is in (the workers compile every case's config 0 first, then config 1, ...; while the workers are
-        still starting, this process compiles it instead): one to be judged tuned whose configs are not all in
-        yet is judged under config 0 and waits, unjudged tuned, in `_tuned_pending` (`_judge_tuned_pending`). In
-        `_representatives_of`' order: a cold campaign's first verdicts are its cheapest, and none waits for every
-        config of every kernel."""
-        reps = self._representatives_of(keys)
-        later = [] if self.compiler is not None else reps
-        for case, choice in (reps if self.compiler is not None else []):
-            if choice == "sweep" or (choice == "tuned" and self.compiler.wait(case, 0)):
-                later.append((case, choice))    # every config: judged once all are in (or all are in already)
-                continue
-            if choice == "tuned":
-                self._tuned_pending.append(case)
-            first = 0 if choice == "tuned" else choice
-            if self.compiler.ready():
-                self._wait_for_workers(case, index=first)
-            # else the workers are still starting (spawning, importing): compiled here, sooner; the job, when a
-            # worker gets to it, finds the variants on disk
-            if self._out_of_budget():           # a wait ends with the budget: no case is begun after it
-                return False
-            if self._judge(case, first):
-                return True
-        for case, choice in later:
-            if self.compiler is not None:
-                self._wait_for_workers(case)
-            if self._out_of_budget():
-                return False
-            if self._judge(case, choice):
-                return True
-        return False
-
-    def _wait_for_workers(self, case, index=None) -> None:
-        """Wait (at most COMPILE_WAIT_S, or what is left of the budget) for the workers' jobs of ``case`` (those of
-        config ``index`` alone when given), the time counted in the throughput's compile_wait_s."""
-        start = time.perf_counter()
-        self.compiler.wait(case, self._time_left(COMPILE_WAIT_S), index=index)
-        self.report.compile_wait_s += time.perf_counter() - start
-
-    def _judge_tuned_pending(self) -> bool:
-        """Judge tuned the representatives judged under config 0 whose every config is in by now (between
-        rounds); True when a divergence stops the campaign."""
-        for case in [c for c in self._tuned_pending if self.compiler.wait(c, 0)]:
-            self._tuned_pending.remove(case)
-            if self._out_of_budget():
-                return False
-            if self._judge(case, "tuned"):
-                return True
-        return False
-
-    def _choice_for(self, key, case, choice):
-        """The config a drawn case of ``key`` runs under: a boundary key's under its config; a tuned one under
-        config 0 while its key's representative is still compiling (tuned, a case in this process would compile
-        every config of every kernel itself first), and counted (`FuzzReport.untuned_while_compiling`)."""
-        cfg = self.config
-        if key is not None and key.boundary is not None and cfg.autotune in ("tuned", "random"):
-            return key.boundary.config          # the config whose block this case straddles
-        if choice == "tuned" and key is not None and self.compiler is not None \
-                and not self.compiler.wait(key.case(backward=case.backward), 0):
-            self.report.untuned_while_compiling += 1
-            return 0
-        return choice
-
     def run(self) -> FuzzReport:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -705,22 +301,22 @@ class Fuzzer:
         from hypothesis import target
 
         cfg = self.config
-        self._start = time.perf_counter()
-        self.report.setup_s = self._start - self._created
+        self.budget.start()
+        self.report.setup_s = self.budget.started - self._created
         os.makedirs(self.out_dir, exist_ok=True)
         if cfg.autotune == "random":
             choices = st.integers(0, 7)
         else:
             choices = st.just(cfg.autotune)
-        entry = self.entries[0] if len(self.entries) == 1 else None
+        entry = self.plan.entries[0] if len(self.plan.entries) == 1 else None
 
         def strategy(key):
             """(case, boundary or None, choice, key or None): from a compile key of the round, or drawn freely."""
             if key is not None:
-                return st.tuples(cases(key=key, bounds=self.bounds, backward=self.backward), st.just(key.boundary),
+                return st.tuples(cases(key=key, bounds=self.plan.bounds, backward=self.plan.backward), st.just(key.boundary),
                                  choices, st.just(key))
-            return maybe_boundary(self.boundaries, self.bounds.boundary_rate).flatmap(lambda b: st.tuples(
-                cases(entry=entry, dtypes=cfg.dtypes, bounds=self.bounds, backward=self.backward, boundary=b),
+            return maybe_boundary(self.plan.boundaries, self.plan.bounds.boundary_rate).flatmap(lambda b: st.tuples(
+                cases(entry=entry, dtypes=cfg.dtypes, bounds=self.plan.bounds, backward=self.plan.backward, boundary=b),
                 st.just(b), choices, st.none()))
 
         class Stop(Exception):
@@ -731,18 +327,18 @@ class Fuzzer:
         def explore(drawn):
             if stop_reason:
                 raise Stop()
-            why = self._out_of_budget()
+            why = self.budget.spent()
             if why:
                 stop_reason.append(why)
                 raise Stop()
             case, boundary, choice, key = drawn
-            if case.entry not in self.entries:
+            if case.entry not in self.plan.entries:
                 return
             if key is not None:
-                choice = self._choice_for(key, case, choice)
+                choice = self.schedule.choice_for(key, case, choice)
             elif boundary is not None and cfg.autotune in ("tuned", "random"):
                 choice = boundary.config        # the config whose block this case straddles
-            if self._judge(case, choice, target):
+            if self.judge(case, choice, target):
                 stop_reason.append("divergence found")
                 raise Stop()
 
@@ -764,23 +360,20 @@ class Fuzzer:
                 # Every key and the next round's compiled ahead, not waited for: this process compiles what it
                 # needs before the workers have it (a cold cache) or loads it from disk (warm), and the workers'
                 # variants are on disk by the time it asks for them. Each key's representative case first.
-                self._compile_ahead(self.pool.keys)
-                self._compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS))
-                if self._representatives(self.pool.keys):
+                self.schedule.compile_ahead(self.pool.keys)
+                self.schedule.compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS))
+                if self.schedule.representatives(self.pool.keys, self.judge):
                     stop_reason.append("divergence found")
             if stop_reason:
                 pass
             elif cfg.max_examples is not None and self.pool is None:
                 search(cfg.max_examples, cfg.seed)
             else:
-                # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded from the campaign's
-                # seed and the round), until the budget is spent, alternating plain generation with targeted
-                # search. Hypothesis draws a search's first tenth of examples (at most 50) small, and once a
-                # target is observed its mutations toward it crowd out fresh draws (2 of 100 drawn cases had
-                # ngroups > 1 with rmsnorm, against 18 without targeting): one unbounded targeted search would
-                # spend a CPU campaign near its first cases.
-                # With a compile pool a round is one search per key (`round_shares`), and one key is swapped
-                # between rounds.
+                # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded
+                # from the campaign's seed and the round), alternating plain generation with targeted search: once
+                # a target is observed Hypothesis's mutations toward it crowd out fresh draws, so one unbounded
+                # targeted search would stay near its first cases. With a compile pool a round is one search per
+                # key (`round_shares`), and one key is swapped between rounds.
                 idle = 0
                 for round_ in itertools.count():
                     examples = ROUND_EXAMPLES if cfg.max_examples is None else \
@@ -788,7 +381,7 @@ class Fuzzer:
                     if examples <= 0:               # the keys' representative cases spent the example budget
                         break
                     before = self.report.tried
-                    if self.compiler is not None and self._judge_tuned_pending():
+                    if self.schedule.compiler is not None and self.schedule.judge_pending(self.judge):
                         stop_reason.append("divergence found")
                         break
                     if self.pool is None:
@@ -797,9 +390,9 @@ class Fuzzer:
                         for slot, key, share in round_shares(self.pool.keys, examples, round_):
                             search(share, None if cfg.seed is None else f"{cfg.seed}/{round_}/{slot}",
                                    targeted=round_ % 2 == 1, key=key)
-                            if stop_reason or self._out_of_budget():
+                            if stop_reason or self.budget.spent():
                                 break
-                    if stop_reason or self._out_of_budget():
+                    if stop_reason or self.budget.spent():
                         break
                     idle = idle + 1 if self.report.tried == before else 0
                     if idle >= 5:
@@ -809,13 +402,13 @@ class Fuzzer:
                         new = self.pool.upcoming
                         self.pool.rotate()
                         # the one key now planned COMPILE_AHEAD_ROUNDS rotations ahead (the others are queued)
-                        self._compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS)[-1:])
-                        if self._representatives([new]):
+                        self.schedule.compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS)[-1:])
+                        if self.schedule.representatives([new], self.judge):
                             stop_reason.append("divergence found")
                             break
-            self.report.search_s = self._elapsed()
+            self.report.search_s = self.budget.elapsed()
             if not stop_reason:
-                stop_reason.append(self._out_of_budget() or "Hypothesis finished its examples")
+                stop_reason.append(self.budget.spent() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]
             if cfg.keep_going:
                 for finding in list(self.report.findings):
@@ -823,25 +416,23 @@ class Fuzzer:
                 self._write_summary()
             if cfg.localize and cfg.keep_going:
                 for finding in self.report.findings:
-                    self._localize(finding)
+                    self.localize(finding)
                     self._write(finding)
                 self._write_summary()
             if cfg.minimize:
                 for finding in self.report.findings:
                     self._minimize(finding)
         finally:
-            self.report.search_s = self.report.search_s or self._elapsed()
-            if self.compiler is not None:
-                self.compiler.close()
+            self.report.search_s = self.report.search_s or self.budget.elapsed()
+            if self.schedule.compiler is not None:
+                self.schedule.compiler.close()
             self.examiner.close()
-            self.report.elapsed = self._elapsed()
+            self.report.elapsed = self.budget.elapsed()
             self.report.stopped = self.report.stopped or "interrupted"
             self._write_summary()
         if cfg.report_dir:
-            from ssdiff.report import render_run
-
             self.report.report_path = str(render_run(self.out_dir, cfg.report_dir))
         return self.report
 
 
-__all__ = ["FuzzConfig", "Fuzzer", "FuzzReport", "Finding", "Outcome", "UsageError"]
+__all__ = ["Fuzzer", "FuzzConfig", "FuzzReport", "Finding", "Outcome", "UsageError", "GPU_BOUNDS"]

@@ -76,7 +76,7 @@ def _case_of(divergence: dict):
 
 def _target(text: str) -> tuple:
     """NAME[:PASS] -> (name, pass); a NAME may hold a colon itself (``module:function``)."""
-    from ssdiff.campaign.fuzz import PASSES
+    from ssdiff.campaign.config import PASSES
 
     name, _, pass_ = text.rpartition(":")
     return (name, pass_) if name and pass_ in PASSES else (text, "mixed")

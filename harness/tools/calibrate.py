@@ -33,7 +33,8 @@ from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from ssdiff.registry import known
-from ssdiff.campaign.fuzz import PASSES, FuzzConfig, Fuzzer
+from ssdiff.campaign.config import PASSES
+from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
 from ssdiff.verdict.judge import FACTOR, REQUIRED_GROUPS, factor_spread, required_factors
 
 WORST_KEPT = 10

@@ -53,7 +53,7 @@ def drawn(entry: str, dtype: str, backward: bool, count: int, seed: int) -> list
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    from ssdiff.campaign.fuzz import GPU_BOUNDS
+    from ssdiff.campaign.config import GPU_BOUNDS
     from ssdiff.model.strategies import cases
 
     found = []
