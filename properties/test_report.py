@@ -10,7 +10,7 @@ Runs here (module fixtures, each fuzzed once):
 - a clean run: the healthy toy kernel, a few cases.
 
 The browser checks need Chromium (Debian: apt-get install chromium). Without it they skip locally and fail
-when CI=true. The screenshot is kept in $SSDIFF_ARTIFACTS (default reports/artifacts/).
+when CI=true. The screenshot is kept in $SSDIFF_ARTIFACTS (default: the test's temporary folder).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from ssdiff.report import browser, render
 from ssdiff.model.strategies import Bounds
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ARTIFACTS = pathlib.Path(os.environ.get("SSDIFF_ARTIFACTS") or REPO / "reports" / "artifacts")
+# Where the screenshot is kept: $SSDIFF_ARTIFACTS (a CI job publishing it), else the test's own temporary folder
+# (a test run leaves the checkout as it found it; reports/artifacts/ holds a committed one).
+ARTIFACTS = os.environ.get("SSDIFF_ARTIFACTS")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
 MAX_PAGE_BYTES = 5 * 1024 * 1024
 MAX_LOAD_MS = 2000.0
@@ -341,10 +343,11 @@ def not_blank(png: bytes) -> dict:
             "ink": sum(1 for count, rgb in (colours or []) if max(rgb) < 128) if colours else 0}
 
 
-def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run):
+def test_seed_divergence_report_opens_cleanly_in_chromium(seed_run, tmp_path):
     chromium_or_skip()
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    shot = ARTIFACTS / "seed-divergence-report.png"
+    folder = pathlib.Path(ARTIFACTS) if ARTIFACTS else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    shot = folder / "seed-divergence-report.png"
     check = browser.open_page(seed_run.page, screenshot=shot, width=1400, height=3000)
     assert check.loaded, "the load event never fired"
     assert check.console_errors == [], check.console_errors

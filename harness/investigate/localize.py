@@ -24,9 +24,10 @@ from typing import Callable, Optional
 
 from ssdiff import runtime
 from ssdiff.model.axes import HEAD_PARTS, TensorAxes, coordinates_of, token_sequences
-from ssdiff.model.case import Case, CaseError
-from ssdiff.model.features import BY_KEY, FEATURES, present, switch_off, without
+from ssdiff.model.case import Case
+from ssdiff.model.features import BY_KEY, FEATURES, switch_off
 from ssdiff.model.stages import STAGE_ORDER
+from ssdiff.model.stages import words as stage_words
 from ssdiff.examine import same_divergence
 from ssdiff.verdict.judge import RUN_FAILURES, TensorVerdict, Verdict
 
@@ -81,7 +82,7 @@ def stages(verdict: Verdict, trigger: Optional[list] = None) -> dict:
             later = [s for s in exposed[exposed.index(first) + 1:] if not judged[s].ok]
             clean = [s for s in exposed[:exposed.index(first)]]
             t = judged[first]
-            text = (f"first divergent stage: {first} ({STAGE_WORDS.get(first, first)}), ratio {t.ratio:.3g}x"
+            text = (f"first divergent stage: {first} ({stage_words(first)}), ratio {t.ratio:.3g}x"
                     + (f"; {', '.join(later)} inherit it" if later else "")
                     + (f"; before it {', '.join(clean)} are within budget" if clean else ""))
             return {"first": first, "inherit": later, "within_budget": clean, "exposed": exposed,
@@ -89,28 +90,20 @@ def stages(verdict: Verdict, trigger: Optional[list] = None) -> dict:
         after = exposed[-1]
         inferred = _infer_from_trigger(trigger, after_stage=after)
         text = (f"every exposed stage ({', '.join(exposed)}) is within budget: the divergence enters after "
-                f"{after}" + (f" — at {inferred} ({STAGE_WORDS.get(inferred, inferred)}), inferred from the "
+                f"{after}" + (f" — at {inferred} ({stage_words(inferred)}), inferred from the "
                               f"feature trigger" if inferred else ""))
         return {"first": inferred, "inherit": [], "within_budget": exposed, "exposed": exposed,
                 "ratios": {s: _ratio(judged[s]) for s in exposed}, "inferred": bool(inferred),
                 "after": after, "text": text}
     inferred = _infer_from_trigger(trigger)
     if inferred:
-        text = (f"first divergent stage: {inferred} ({STAGE_WORDS.get(inferred, inferred)}) — inferred: the "
+        text = (f"first divergent stage: {inferred} ({stage_words(inferred)}) — inferred: the "
                 f"implementation exposes no stages, and the divergence needs "
                 f"{_stage_feature_label(trigger, inferred)}")
     else:
         text = "stage: not known (the implementation exposes no stage intermediates)"
     return {"first": inferred, "inherit": [], "within_budget": [], "exposed": [], "ratios": {},
             "inferred": bool(inferred), "text": text}
-
-
-STAGE_WORDS = {
-    "in_proj": "the input projection (in_proj)", "conv": "the causal conv1d", "dt": "dt processing (bias, softplus, limits)", "dA_cumsum": "the dA cumsum",
-    "chunk_states": "the per-chunk states", "passed_states": "state passing between chunks",
-    "CB": "C.B^T per chunk", "scan": "the chunk scan output", "skip": "the D skip", "gated": "the z gate",
-    "normed": "the gated RMSNorm", "y": "the output projection",
-}
 
 
 def _ratio(t: TensorVerdict):

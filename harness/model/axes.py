@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ssdiff.model.case import Case
+from ssdiff.model.stages import BY_NAME
 
 # Channel parts indexed by head (headdim channels each; dt one per head) and by group (dstate channels each);
 # the rest (swiglu, out) belong to no head.
@@ -111,19 +112,9 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
             return TensorAxes(("out", "channel"), channel_parts(case, ssm_width))
         if name == "outproj_bias":
             return TensorAxes(("out",))
-    if kind == "stage":
-        if name == "conv":
-            return TensorAxes(("batch", "token", "channel"), channel_parts(case, conv_parts))
-        if name in ("dt", "dA_cumsum"):
-            return TensorAxes(("batch", "token", "head"))
-        if name in ("chunk_states", "passed_states"):
-            return TensorAxes(("batch", "chunk", "head", "p", "n"))
-        if name == "CB":
-            return TensorAxes(("batch", "chunk", "group", "i", "j"))
-        if name in ("scan", "skip", "gated"):
-            return TensorAxes(("batch", "token", "head", "p"))
-        if name == "normed":
-            return TensorAxes(("batch", "token", "channel"), channel_parts(case, ssm_width))
+    if kind == "stage" and name in BY_NAME:
+        parts = {"conv": conv_parts, "normed": ssm_width}
+        return TensorAxes(BY_NAME[name].axes, channel_parts(case, parts[name]) if name in parts else ())
     raise KeyError(f"no axes for {kind} {name!r}")
 
 

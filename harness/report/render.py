@@ -24,6 +24,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from ssdiff.model.case import Case, CaseError
 from ssdiff.model.features import BY_KEY
 from ssdiff.model.stages import STAGE_ORDER
+from ssdiff.model.stages import words as stage_words
 from ssdiff.store import RunError, read_run
 from ssdiff.investigate.tf32 import LIMIT as TF32_LIMIT
 
@@ -167,7 +168,6 @@ def _stage_table(side_loc: dict) -> Optional[dict]:
     stages = (side_loc or {}).get("stages")
     if stages is None:
         return None
-    from ssdiff.investigate.localize import STAGE_WORDS
 
     first, exposed = stages.get("first"), stages.get("exposed") or []
     names = [s for s in STAGE_ORDER if s in exposed or s == first]
@@ -183,7 +183,7 @@ def _stage_table(side_loc: dict) -> Optional[dict]:
             role = "within budget" if r is not None and r <= 1 else "out of budget"
         else:
             role = ""
-        rows.append({"stage": s, "words": STAGE_WORDS.get(s, s), "ratio_text": fmt_ratio(ratio) if s in exposed
+        rows.append({"stage": s, "words": stage_words(s), "ratio_text": fmt_ratio(ratio) if s in exposed
                      else "not exposed", "ratio_style": ratio_style(ratio) if s in exposed else "",
                      "role": role, "first": s == first})
     return {"rows": rows, "text": stages.get("text", ""), "inferred": bool(stages.get("inferred")), "first": first}
