@@ -16,6 +16,7 @@ divergence we had".
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -132,15 +133,17 @@ class Examiner:
     """Examines cases for a fixed set of sides on one device. ``isolate``: run the sides in a child process
     (harness/sides/runner.py; ``timeout`` seconds per run). ``top``: each tensor verdict also lists the elements of its
     ``top`` largest ratios (`verdict.judge`). ``oracle_evaluations`` / ``baseline_evaluations`` count the
-    evidence evaluated (one of each per distinct case while it is kept)."""
+    evidence evaluated (one of each per distinct case while it is kept). ``meter(phase)``: a context manager entered
+    around each part of assembling evidence ("inputs", "oracle", "baseline"): what counts their operations."""
 
     def __init__(self, sides, device: str, oracle_name: str = truth.DEFAULT_ORACLE, factor: float = FACTOR,
-                 isolate: bool = False, timeout: float = 300.0, top: int = 0):
+                 isolate: bool = False, timeout: float = 300.0, top: int = 0, meter=None):
         self.sides = list(dict.fromkeys(sides))
         self.device = device
         self.oracle_name = oracle_name
         self.factor = factor
         self.top = top
+        self.meter = meter
         try:
             self.impls = {spec: resolve(spec) for spec in self.sides}
         except KeyError as err:
@@ -164,6 +167,15 @@ class Examiner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    @contextlib.contextmanager
+    def _part(self, phase: str):
+        """One part of assembling evidence: timed to a device synchronization into its phase, and measured by
+        ``meter`` where one is given."""
+        start = time.perf_counter()
+        with (self.meter(phase) if self.meter is not None else contextlib.nullcontext()):
+            yield
+        self._phases[phase] = self._phases.get(phase, 0.0) + self._synchronized() - start
+
     def __enter__(self) -> "Examiner":
         return self
 
@@ -186,25 +198,23 @@ class Examiner:
         if found is not None:
             self._evidence.move_to_end(case)
             return found
-        start = time.perf_counter()
-        inputs = materialize(case, self.device) if inputs is None else inputs
+        with self._part("inputs"):
+            inputs = materialize(case, self.device) if inputs is None else inputs
+            near = neighbours_of(inputs)
         judged = inputs.case
-        after_inputs = self._synchronized()
         self.oracle_evaluations += 1
-        # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
-        near = neighbours_of(inputs)
-        truth, *at_near = widen.evaluate(self.oracle_at, judged, [inputs, *near])
-        after_oracle = self._synchronized()
+        with self._part("oracle"):
+            # the truth and the oracle at the neighbour samples' inputs, side by side where the entry allows
+            truth, *at_near = widen.evaluate(self.oracle_at, judged, [inputs, *near])
         self.baseline_evaluations += 1
-        samples = evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
-        if self.recurrent and judged.entry == "chunk_scan":
-            # a side evaluates token by token: the model in that order too (its stages have other layouts; a case
-            # too large for it is outside such a side's reach, Implementation.skip_reason)
-            token = evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
-                                              at_neighbours=(near, at_near), order="recurrent")
-            samples += [Evaluation(e.outputs, e.grads) for e in token]
-        self._phases.update(inputs=after_inputs - start, oracle=after_oracle - after_inputs,
-                            baseline=self._synchronized() - after_oracle)
+        with self._part("baseline"):
+            samples = evaluate_samples(judged, inputs, truth, at_neighbours=(near, at_near))
+            if self.recurrent and judged.entry == "chunk_scan":
+                # a side evaluates token by token: the model in that order too (its stages have other layouts; a
+                # case too large for it is outside such a side's reach: evidence_limit)
+                token = evaluate_samples(judged.replace(chunk_size=1), inputs, truth,
+                                         at_neighbours=(near, at_near), order="recurrent")
+                samples += [Evaluation(e.outputs, e.grads) for e in token]
         found = Evidence(inputs, truth, samples)
         self._remember(case, found)
         return found

@@ -69,25 +69,19 @@ def drawn(entry: str, dtype: str, backward: bool, count: int, seed: int) -> list
 
 
 def by_chunks(counts, dtype: str, backward: bool, device: str) -> int:
-    from ssdiff.budget.samples import evaluate_samples, neighbours_of
-    from ssdiff import truth
-    from ssdiff.inputs import widen
+    from ssdiff.examine import Examiner
     from ssdiff.model.case import Case
-    from ssdiff.inputs import materialize
 
-    print("| chunks | inputs ops (the case's and its neighbours') | oracle ops (at the inputs and two neighbours) | baseline ops (five samples) |")
+    print("| chunks | inputs ops (the case's and its neighbours') | oracle ops (at the inputs and two neighbours) "
+          "| baseline ops (five samples) |")
     print("|---|---|---|---|")
     for c in counts:
         case = Case(batch=1, seqlen=64 * c, nheads=2, headdim=16, dstate=128, chunk_size=64, dtype=dtype,
                     pass_="backward" if backward else "forward", seed=1)
-        with Counting() as made:
-            inputs = materialize(case, device)
-            near = neighbours_of(inputs)
-        with Counting() as truths:
-            exact, *at_near = widen.evaluate(truth.evaluate, case, [inputs, *near])
-        with Counting() as model:
-            evaluate_samples(case, inputs, exact, at_neighbours=(near, at_near))
-        print(f"| {c} | {made.total} | {truths.total} | {model.total} |")
+        parts = {}
+        with Examiner([], device, meter=lambda phase: parts.setdefault(phase, Counting())) as examiner:
+            examiner.evidence(case)
+        print(f"| {c} | {parts['inputs'].total} | {parts['oracle'].total} | {parts['baseline'].total} |")
     return 0
 
 
