@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import random
 
-from ssdiff import runtime  # Before anything defines a Triton kernel: without a GPU, kernels run under the Triton interpreter.
+from ssdiff import runtime
+
+# Before anything defines a Triton kernel: without a GPU, kernels run under the Triton interpreter.
 runtime.configure()
 
 import pytest  # noqa: E402

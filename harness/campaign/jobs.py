@@ -26,7 +26,9 @@ import time
 from datetime import datetime
 from typing import Optional
 
-from ssdiff import store  # Job i searches with seed + i * SEED_STRIDE (the campaign's seed plus round numbers stay below it).
+from ssdiff import store
+
+# Job i searches with seed + i * SEED_STRIDE (the campaign's seed plus round numbers stay below it).
 SEED_STRIDE = 100_000
 # Options the parent sets for each job (with how many values each takes).
 _PER_JOB = {"--jobs": 1, "--seed": 1, "--out": 1, "--max-examples": 1}
