@@ -27,6 +27,8 @@ Interpreter patches (harness/truth/README.md, "Running upstream without CUDA ext
 The autotune wrapper (3) is installed on a GPU too, where "tuned" benchmarks every config of a new autotune key
 as Triton does, for SSDIFF_TUNE_MS (10 ms) each rather than Triton's 125 ms: a fuzz campaign meets many keys.
 On a GPU `configure()` also sets TRITON_CACHE_AUTOTUNING=1 (unless set): the results stay in Triton's cache.
+The patches are self-contained functions (`_patch_interpreter`, `_patch_autotuner_choice`): repro.py inlines
+them (harness/reproduce/repro.py), so a repro runs the kernels under the very patches ssdiff ran them under.
 """
 
 from __future__ import annotations
@@ -68,11 +70,8 @@ def configure() -> None:
         # Autotune results on disk beside the compiled kernels (kernels whose configs have no pre_hook).
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if interpreted():
-        _patch_cuda_device()
-        _patch_device_properties()
-        _patch_interpreter_index()
-        _set_overflow_sanitizer(os.environ.get("SSDIFF_SANITIZE_OVERFLOW", "0") == "1")
-    _patch_autotuner()
+        _patch_interpreter(sm_count, os.environ.get("SSDIFF_SANITIZE_OVERFLOW", "0") == "1")
+    _patch_autotuner_choice(_forced_index, _quick_bench, _launches, Launch)
     _configured = True
 
 
@@ -188,6 +187,16 @@ def with_sm_count(count: int):
 
 
 # ---- interpreter patches ---------------------------------------------------------------------------------
+# Self-contained (torch, types and their arguments only): repro.py inlines them.
+
+def _patch_interpreter(count, sanitize_overflow):
+    """The Triton interpreter's patches (1, 2, 4 and 5 of harness/runtime.py's docstring); ``count()``: the SM
+    count reported to kernels."""
+    _patch_cuda_device()
+    _patch_device_properties(count)
+    _patch_interpreter_index()
+    _set_overflow_sanitizer(sanitize_overflow)
+
 
 def _is_host(device) -> bool:
     if device is None:
@@ -222,14 +231,14 @@ def _patch_cuda_device():
     torch.cuda.device = device
 
 
-def _patch_device_properties():
+def _patch_device_properties(count):
     original = torch.cuda.get_device_properties
     if getattr(original, "_ssdiff_patch", False):
         return
 
     def get_device_properties(device=None):
         if _is_host(device) or not torch.cuda.is_available():
-            return types.SimpleNamespace(name="Triton interpreter (CPU)", multi_processor_count=_sm_count,
+            return types.SimpleNamespace(name="Triton interpreter (CPU)", multi_processor_count=count(),
                                          major=9, minor=0, total_memory=0)
         return original(device)
 
@@ -345,14 +354,6 @@ class ConfigSweep:
         self.needed = max([self.needed] + [launch.nconfigs for launch in launches])
 
 
-def _out_of_resources() -> tuple:
-    try:
-        from triton.runtime.errors import OutOfResources
-    except ImportError:
-        return ()
-    return (OutOfResources,)
-
-
 TUNE_MS = float(os.environ.get("SSDIFF_TUNE_MS", "10"))
 
 
@@ -362,30 +363,45 @@ def _quick_bench(fn, quantiles=None):
     return do_bench(fn, warmup=max(1, int(TUNE_MS // 5)), rep=max(1, int(TUNE_MS)), quantiles=quantiles)
 
 
-def _patch_autotuner():
+def _forced_index():
+    """The config index the autotune wrapper forces now, or None where "tuned" benchmarks (natively)."""
+    if _choice == "tuned":
+        return 0 if interpreted() else None
+    return _choice
+
+
+def _patch_autotuner_choice(index_now, bench=None, record=None, entry=lambda *fields: fields):
+    """Every autotuned Triton kernel launches as ``index_now()`` says at the launch: None, as the autotuner tunes
+    it (timing with ``bench`` where given); an index, config ``index % n`` of its n configs (after the kernel's
+    own pruning) alone. ``record`` (a list) gets ``entry(kernel, index, n, config, skipped)`` of each forced
+    launch. Self-contained: repro.py inlines it."""
     try:
         from triton.runtime.autotuner import Autotuner
     except ImportError:           # no triton: nothing to choose
         return
     if getattr(Autotuner.run, "_ssdiff_patch", False):
         return
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        OutOfResources = ()
     original_run = Autotuner.run
 
     def run(self, *args, **kwargs):
-        choice = _choice
-        if choice == "tuned" and not interpreted():
+        index = index_now()
+        if index is None:
             # The benchmark picks the config production would run; a short one picks it as well as Triton's
             # default 125 ms per config, which a fuzz campaign pays for every new autotune key.
-            self.__dict__.setdefault("do_bench", _quick_bench)
+            if bench is not None:
+                self.__dict__.setdefault("do_bench", bench)
             return original_run(self, *args, **kwargs)
-        index = 0 if choice == "tuned" else choice
         candidates = self.configs
         if self.early_config_prune is not None and len(candidates) > 1:
             # The kernel's own pruning says which configs are legal for these arguments.
             self.nargs = dict(zip(self.arg_names, args))
             candidates = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
-        if len(_launches) > 10000:       # outside any autotune block nobody reads them: keep memory flat
-            del _launches[:5000]
+        if record is not None and len(record) > 10000:   # nobody reads them outside a block: memory stays flat
+            del record[:5000]
         name = getattr(self.base_fn, "__name__", "?")
         n = len(candidates)
         saved = self.configs
@@ -399,13 +415,15 @@ def _patch_autotuner():
                 k = (index + step) % n
                 chosen = candidates[k]
                 self.configs = [chosen]
-                _launches.append(Launch(name, k, n, str(chosen), "; ".join(unfit)))
+                if record is not None:
+                    record.append(entry(name, k, n, str(chosen), "; ".join(unfit)))
                 try:
                     return original_run(self, *args, **kwargs)
-                except _out_of_resources() as err:
+                except OutOfResources as err:
                     if step == n - 1:
                         raise
-                    _launches.pop()
+                    if record is not None:
+                        record.pop()
                     unfit.append(f"config #{k} does not fit this device ({str(err).splitlines()[0][:120]})")
         finally:
             self.configs = saved
