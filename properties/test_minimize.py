@@ -3,6 +3,7 @@ until the one-line upstream fix is applied; planted bugs keep their stage; repla
 replay and minimize name the known defect that explains a divergence; bad input is refused clearly."""
 
 import importlib.util
+import inspect
 import math
 import re
 import shutil
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ssdiff import runtime
+from ssdiff.inputs.draw import draw
 from ssdiff.registry import known
 from ssdiff.reproduce import repro
 from ssdiff.model.case import Case, Regime
@@ -67,6 +70,16 @@ def test_seed_repro_fails_until_the_upstream_fix(seed_minimized, tmp_path):
     after = _run_repro(repro, extra_path=str(fixed))
     assert after.returncode == 0, after.stdout + after.stderr
     assert "no divergence: fixed" in after.stdout
+
+
+def test_seed_repro_draws_and_runs_kernels_with_ssdiffs_own_code(seed_minimized):
+    """One `draw` and one set of runtime patches: repro.py inlines harness/inputs/draw.py whole and, where the
+    kernels ran under the Triton interpreter, the patches harness/runtime.py installs, verbatim."""
+    text = seed_minimized.repro_path.read_text()
+    assert inspect.getsource(inspect.getmodule(draw)) in text
+    if runtime.interpreted() and seed_minimized.outcome.inputs.device.type == "cpu":
+        for fn in (*repro.INTERPRETER_PATCHES, runtime._patch_autotuner_choice):
+            assert inspect.getsource(fn) in text, fn.__name__
 
 
 def test_replay_reproduces_the_stored_verdict(seed_minimized, device, capsys):

@@ -1,11 +1,16 @@
 """repro.py: a standalone script for one divergence, ready to paste into an upstream issue.
 
-It needs torch and the implementation under test, nothing of ssdiff: the inputs come from ssdiff's own
-drawing function (ssdiff.inputs.draw, inlined verbatim, so the numbers are the ones ssdiff judged), a
-token-by-token float64 oracle is inlined in a few lines, and any CPU stand-in (Triton-interpreter patches,
-causal_conv1d / selective_scan_cuda replacements: harness/sides/standins.py inlined verbatim) is labelled. It prints
-both sides and the oracle, the largest errors against the budgets ssdiff allowed, and exits 1 while the
+It needs torch and the implementation under test, nothing of ssdiff. It inlines, verbatim, ssdiff's drawing code
+(harness/inputs/draw.py: the numbers are the ones ssdiff judged), the Triton-interpreter and autotune patches
+ssdiff runs kernels under (harness/runtime.py) and any CPU stand-in (causal_conv1d / selective_scan_cuda
+replacements: harness/sides/standins.py), labelled; a token-by-token float64 oracle is written out in a few lines.
+It prints both sides and the oracle, the largest errors against the budgets ssdiff allowed, and exits 1 while the
 divergence exists, 0 once it is fixed.
+
+Two steps: `measure` takes what only the run knows (where it ran and with what, the verdicts' message, the
+budgets, the elements out of theirs) as JSON data; `render` writes the script from a case and that data alone,
+the same bytes every time (the findings keep the data in finding.json and render repros on demand). `write` is
+the two at once.
 
 Implementations written out natively: mamba_ssm.* entry points, ssdiff.triton, fla's simple_gla kernels on
 cases without seq_idx (harness/truth/README.md, "fla's simple_gla"), the layers, and any ``module:function`` with
@@ -15,7 +20,6 @@ are reached through ssdiff's registry, and the script says so.
 
 from __future__ import annotations
 
-import datetime
 import inspect
 import math
 import os
@@ -29,12 +33,12 @@ from typing import Optional
 import jinja2
 import torch
 
-from ssdiff import inputs as inputs_module
 from ssdiff import runtime
 from ssdiff.sides import standins
 from ssdiff.model.axes import axes_of
 from ssdiff.model.case import Case
-from ssdiff.inputs import Inputs, differentiable_names
+from ssdiff.inputs import Inputs, cu_seqlens, differentiable_names
+from ssdiff.inputs.draw import draw
 from ssdiff.verdict.judge import element_budget, judged_mask, storage_dtype
 from ssdiff.model.dtypes import UNIT_ROUNDOFF
 
@@ -77,80 +81,29 @@ MAMBA_FUNCTIONS = {
     "mamba_ssm.split_conv1d_ref": ("mamba_split_conv1d_scan_ref", "mixer_ref"),
 }
 
-FORCE_CONFIG = '''
-# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): {why}.
-# A config that does not fit this device (shared memory, registers) is skipped for the next one, as the
-# benchmarking autotuner skips it.
-CONFIG_INDEX = {index}
+def _force_config_source(index: int, why: str) -> str:
+    """Every autotuned kernel on config ``index``: ssdiff's own autotune patch (harness/runtime.py), verbatim."""
+    return (f"# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): "
+            f"{why}.\n# A config that does not fit this device (shared memory, registers) is skipped for the next one, "
+            f"as the\n# benchmarking autotuner skips it. ssdiff's own autotune patch (harness/runtime.py), verbatim.\n"
+            f"CONFIG_INDEX = {index}\n\n\n{inspect.getsource(runtime._patch_autotuner_choice)}\n\n"
+            f"_patch_autotuner_choice(lambda: CONFIG_INDEX)\n")
 
 
-def force_autotune_config(index):
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.errors import OutOfResources
-    real_run = Autotuner.run
-
-    def run(self, *args, **kwargs):
-        configs = self.configs
-        if self.early_config_prune is not None and len(configs) > 1:
-            self.nargs = dict(zip(self.arg_names, args))
-            configs = self.early_config_prune(self.configs, self.nargs, **kwargs) or self.configs
-        saved = self.configs
-        try:
-            for step in range(len(configs)):
-                self.configs = [configs[(index + step) % len(configs)]]
-                try:
-                    return real_run(self, *args, **kwargs)
-                except OutOfResources:
-                    if step == len(configs) - 1:
-                        raise
-        finally:
-            self.configs = saved
-
-    Autotuner.run = run
+# What the Triton interpreter needs on the CPU: ssdiff's own patches, installed by _patch_interpreter.
+INTERPRETER_PATCHES = (runtime._patch_interpreter, runtime._is_host, runtime._patch_cuda_device,
+                       runtime._patch_device_properties, runtime._patch_interpreter_index,
+                       runtime._set_overflow_sanitizer)
 
 
-force_autotune_config(CONFIG_INDEX)
-'''
+def _interpreter_source(sm_count: int) -> str:
+    """The Triton interpreter's patches as ssdiff installs them (harness/runtime.py), verbatim: ``sm_count`` SMs
+    reported to the kernels, as when ssdiff judged the case."""
+    return ("# The kernels run on the CPU under TRITON_INTERPRET=1; what they expect of a GPU is faked by ssdiff's own "
+            "patches\n# (harness/runtime.py), verbatim.\n"
+            + "\n\n".join(inspect.getsource(fn) for fn in INTERPRETER_PATCHES)
+            + f"\n\n_patch_interpreter(lambda: {int(sm_count)}, False)\n")
 
-INTERPRETER_PATCHES = '''
-def patch_for_the_triton_interpreter():
-    """The kernels run on the CPU under TRITON_INTERPRET=1; three things they expect from a GPU are faked."""
-    def host(d):
-        return d is None or (isinstance(d, int) and d < 0) or (not isinstance(d, int) and torch.device(d).type == "cpu")
-
-    class device(torch.cuda.device):               # `with torch.cuda.device(x.device.index)`: a no-op on the CPU
-        def __init__(self, d):
-            self.host = host(d)
-            if not self.host:
-                super().__init__(d)
-
-        def __enter__(self):
-            return None if self.host else super().__enter__()
-
-        def __exit__(self, *exc):
-            return False if self.host else super().__exit__(*exc)
-
-    torch.cuda.device = device
-    real_properties = torch.cuda.get_device_properties
-    torch.cuda.get_device_properties = lambda d=None: (   # backward kernels size reductions by the SM count
-        types.SimpleNamespace(multi_processor_count=132, name="interpreter", major=9, minor=0)
-        if host(d) or not torch.cuda.is_available() else real_properties(d))
-
-    try:                                            # numpy >= 2.4 refuses int() of a 1-element array
-        from triton.runtime import interpreter
-        real_patch = interpreter._patch_lang_tensor
-
-        def patch_lang_tensor(tensor, scope):
-            real_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        interpreter._patch_lang_tensor = patch_lang_tensor
-    except (ImportError, AttributeError):
-        pass
-
-
-patch_for_the_triton_interpreter()
-'''
 
 MAMBA_LOADER = '''
 def load_mamba_ssm():
@@ -189,12 +142,8 @@ def _standins_source() -> str:
 
 
 def _draw_source() -> str:
-    consts = "\n".join(f"{name} = {pprint.pformat(getattr(inputs_module, name))}"
-                       for name in ("TORCH_DTYPES", "_DT_CENTER", "_A_RANGE", "_DRAW_BLOCK", "_NORMAL_KNOTS",
-                                    "_VARIATE_SLAB"))
-    functions = (inputs_module._mix32, inputs_module._normal_knots, inputs_module.counter_variates, inputs_module.draw)
-    return ("import functools\nimport statistics\n\n" + consts + "\n\n\n"
-            + "\n\n".join(inspect.getsource(fn) for fn in functions))
+    """harness/inputs/draw.py, whole: the code ssdiff draws every input with."""
+    return inspect.getsource(inspect.getmodule(draw)).strip("\n") + "\n"
 
 
 def _scan_kwargs(case: Case, plain: bool) -> str:
@@ -353,7 +302,7 @@ def _layer_side(fn: str, spec: str, impl, case: Case) -> tuple:
 
     how = impl.construction(case)
     view = lambda key: ".{}({})".format(*PARAMETER_VIEWS[key]) if key in PARAMETER_VIEWS else ""
-    drawn = inputs_module.draw(case)[0]
+    drawn = draw(case)[0]
     params = ", ".join(f'"inner.{name}": t["{key}"]{view(key)}' for name, key in PARAMETER_SOURCES if key in drawn)
     literal = lambda d: repr(d).replace(", inf)", ", math.inf)")
     if how.config_class:
@@ -430,7 +379,7 @@ def _side_code(number: int, spec: str, case: Case) -> tuple:
                 needs)
     # Reached through ssdiff's adapter (not standalone): the adapter builds its own inputs from the case.
     return (f'def {fn}(t, seq):\n    """{spec}: reached through ssdiff\'s registry (this side needs ssdiff '
-            f'installed)."""\n    from harness import runtime\n    runtime.configure()\n'
+            f'installed)."""\n    from ssdiff import runtime\n    runtime.configure()\n'
             f"    from ssdiff.model.case import Case\n    from ssdiff.sides.runner import resolve\n"
             f"    from ssdiff.inputs import materialize\n    case = Case.from_dict(CASE)\n"
             f'    res = resolve("{spec}").run(case, materialize(case, DEVICE))\n'
@@ -500,12 +449,31 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str,
-          choice: runtime.Choice = "tuned", outputs: Optional[dict] = None) -> Path:
-    """Write repro.py for ``case`` judged with ``sides`` (implementation names) on ``inputs.device``; a config
-    index ``choice`` (natively) is forced on every autotuned kernel, as it was when judged. ``outputs`` (side ->
-    its results, as judged): the elements out of their budgets are watched one by one (`watched_elements`)."""
+def measure(case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str,
+            choice: runtime.Choice = "tuned", outputs: Optional[dict] = None) -> dict:
+    """What repro.py of ``case`` says that only its run knows, as JSON data: the sides (implementation names),
+    where they ran (``inputs.device``) and with what, the verdicts' ``message``, the largest budget of each tensor
+    (`allowed_errors`), the elements out of their own (`watched_elements`; ``outputs``: side -> its results, as
+    judged) and the config index ``choice`` forced on every autotuned kernel (natively), as when judged."""
     device = str(inputs.device)
+    packages = {"torch": torch.__version__, "triton": _version("triton")}
+    for prefix, dist in (("mamba_ssm.", "mamba-ssm"), ("fla.", "fla-core"), ("fla.mamba2", "flash-linear-attention"),
+                         ("transformers.", "transformers")):
+        if any(s.startswith(prefix) for s in sides):
+            packages[dist] = _version(dist)
+    interpreted = device == "cpu" and runtime.interpreted()
+    return {"sides": list(sides), "device": device, "runtime": runtime.describe(), "packages": packages,
+            "interpreted": interpreted, "sm_count": runtime.sm_count() if interpreted else None,
+            "autotune": choice, "factor": factor, "message": message.strip(),
+            "allowed": allowed_errors(case, inputs, truth, base, factor),
+            "watched": watched_elements(case, inputs, truth, base, factor, outputs or {}),
+            "ssdiff": _version("ssdiff")}
+
+
+def render(case: Case, measured: dict) -> str:
+    """repro.py's text for ``case`` from what `measure` took of its run; nothing else of the machine that renders it
+    enters (no date, no path, no installed version), so the same arguments give the same bytes."""
+    sides = measured["sides"]
     side_code, needs = [], []
     for number, spec in enumerate(sides):
         code, need = _side_code(number, spec, case)
@@ -513,16 +481,17 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         needs += [n for n in need if n not in needs]
     side_code.append("SIDES = {" + ", ".join(f"{spec!r}: side_{i}" for i, spec in enumerate(sides)) + "}")
     uses_triton = any(s.startswith(("mamba_ssm.", "ssdiff.", "fla.", "vllm.")) or ":" in s for s in sides)
-    interpreter = device == "cpu" and runtime.interpreted() and uses_triton
+    interpreter = measured["interpreted"] and uses_triton
+    choice = measured["autotune"]
     preamble = []
     if interpreter:
-        preamble.append(INTERPRETER_PATCHES)
+        preamble.append(_interpreter_source(measured["sm_count"]))
         needs.append("numpy (the Triton interpreter imports it)")
     if uses_triton and choice != "tuned":
-        preamble.append(FORCE_CONFIG.format(index=int(choice), why="as ssdiff judged it (the divergence depends on "
-                                                                    "the config the autotuner picks)"))
+        preamble.append(_force_config_source(int(choice), "as ssdiff judged it (the divergence depends on the config "
+                                                          "the autotuner picks)"))
     elif interpreter:
-        preamble.append(FORCE_CONFIG.format(index=0, why="the interpreter cannot benchmark"))
+        preamble.append(_force_config_source(0, "the interpreter cannot benchmark"))
     layers = [s for s in sides if case.entry == "layer" and _layer_implementation(s) is not None]
     # mamba_ssm's layer, and fla's kernel paths, import mamba_ssm's Triton ops: loadable only through the loader
     needs_mamba = [s for s in sides if s in MAMBA_FUNCTIONS or s == STEP
@@ -539,33 +508,23 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
         if case.layer_steps and any(s.startswith("transformers.") for s in layers):
             preamble.append(LAYER_DECODE_TRANSFORMERS)
     if case.varlen_states:
-        preamble.append(f"CU_SEQLENS = torch.tensor({list(inputs.cu_seqlens.tolist())}, dtype=torch.int32, "
-                        f"device=DEVICE)")
-    env_packages = {}
-    if any(s.startswith("mamba_ssm.") for s in sides):
-        env_packages["mamba-ssm"] = _version("mamba-ssm")
-    if any(s.startswith("fla.") for s in sides):
-        env_packages["fla-core"] = _version("fla-core")
-    if any(s.startswith("fla.mamba2") for s in sides):
-        env_packages["flash-linear-attention"] = _version("flash-linear-attention")
-    if any(s.startswith("transformers.") for s in sides):
-        env_packages["transformers"] = _version("transformers")
-    differentiable = list(differentiable_names(case))
+        preamble.append(f"CU_SEQLENS = torch.tensor({cu_seqlens(case).tolist()}, dtype=torch.int32, device=DEVICE)")
     template = jinja2.Template(TEMPLATE.read_text(encoding="utf-8"), keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
-    text = template.render(
+    return template.render(
         title=f"{' vs '.join(sides)} on {case.entry}", case_line=case.describe(), sides=sides, case=case,
-        env={"device": device, "runtime": runtime.describe(), "torch": torch.__version__,
-             "triton": _version("triton"), "packages": env_packages},
-        message=message.strip(), needs_triton=uses_triton, needs=needs, interpreter=interpreter,
-        case_json=pprint.pformat(case.to_dict(), width=110, sort_dicts=False), device=device,
-        allowed=allowed_errors(case, inputs, truth, base, factor),
-        watched=watched_elements(case, inputs, truth, base, factor, outputs or {}), watched_cap=WATCHED,
-        factor=factor, draw_source=_draw_source(), preamble="\n\n".join(p.strip("\n") for p in preamble),
-        side_code=side_code, differentiable=differentiable, ssdiff_version=_version("ssdiff"),
-        date=datetime.date.today().isoformat())
+        measured=measured, needs_triton=uses_triton, needs=needs, interpreter=interpreter,
+        case_json=pprint.pformat(case.to_dict(), width=110, sort_dicts=False), watched_cap=WATCHED,
+        draw_source=_draw_source(), preamble="\n\n".join(p.strip("\n") for p in preamble),
+        side_code=side_code, differentiable=list(differentiable_names(case)))
+
+
+def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: float, message: str,
+          choice: runtime.Choice = "tuned", outputs: Optional[dict] = None) -> Path:
+    """Write repro.py for ``case`` judged with ``sides`` (`measure`, then `render`)."""
     path = Path(path)
-    path.write_text(text, encoding="utf-8")
+    path.write_text(render(case, measure(case, sides, inputs, truth, base, factor, message, choice, outputs)),
+                    encoding="utf-8")
     return path
 
 
@@ -582,4 +541,4 @@ def run(path, first: str = "", timeout: int = 300) -> subprocess.CompletedProces
                           cwd=Path(path).parent, timeout=timeout)
 
 
-__all__ = ["write", "allowed_errors", "watched_elements", "WATCHED", "run"]
+__all__ = ["measure", "render", "write", "allowed_errors", "watched_elements", "WATCHED", "run"]
