@@ -464,12 +464,23 @@ def _config_choice(text: str):
 
 def cmd_known(args) -> int:
     """The known-defect registry (harness/registry/known.py) for the installed releases: one line per defect with its
-    status and the command that reproduces it; ``--case ID`` prints that defect's example case as JSON."""
+    status and the command that reproduces it; ``--case ID`` prints that defect's example case as JSON; ``--repro
+    ID`` writes finding ID's repro.py from its files under reports/findings/ (``--out FILE`` elsewhere)."""
     from ssdiff.registry import known
     from ssdiff import runtime
     from ssdiff.sides.registry import get
 
     runtime.configure()
+    if args.repro:
+        from ssdiff.registry import findings
+
+        try:
+            path = findings.write_repro(args.repro, args.out)
+        except findings.NoRepro as why:
+            print(f"ssdiff known: {why}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
     if args.case:
         if args.case not in known.BY_ID:
             print(f"ssdiff known: no defect {args.case!r} (known: {', '.join(known.BY_ID)})", file=sys.stderr)
@@ -535,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("known", help="the known upstream defects (registry), for the installed releases")
     p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation's (repeatable)")
     p.add_argument("--case", metavar="ID", help="print defect ID's example case (JSON) and exit")
+    p.add_argument("--repro", metavar="ID", help="write finding ID's repro.py (FINDINGS.md) from its files under "
+                                                 "reports/findings/ID/, print its path and exit")
+    p.add_argument("--out", metavar="FILE", help="with --repro: write it to FILE (default: reports/findings/ID/repro.py)")
     p.set_defaults(func=cmd_known)
     p = sub.add_parser("report", help="render saved runs (fuzz output directories) as self-contained HTML pages")
     p.add_argument("runs", nargs="+", metavar="DIR", help="a saved run: summary.json and divergence-*/ folders")

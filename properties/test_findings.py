@@ -1,12 +1,15 @@
-"""FINDINGS.md and reports/findings/: every repro fails on a release the registry says is affected and passes on
-the release that fixed it, and FINDINGS.md is what `python -m ssdiff.registry.findings --render` writes from the
-registry and reports/findings/ (harness/registry/findings.py).
+"""FINDINGS.md and reports/findings/: every finding's repro.py, written from its committed case.json and
+finding.json as `ssdiff known --repro ID` writes it, fails on a release the registry says is affected and passes on
+the release that fixed it; it is the same bytes however often it is written, and what the findings' own
+computation writes; FINDINGS.md is what `python -m ssdiff.registry.findings --render` writes from the registry and
+reports/findings/ (harness/registry/findings.py).
 
-Each repro runs as a stranger would run it (ssdiff.reproduce.repro.run): a child process with nothing of this checkout on
-its path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
+Each repro runs as a stranger would run it (ssdiff.reproduce.repro.run): a child process with nothing of this
+checkout on its path, mamba_ssm the installed one or a release installed beside it (SSDIFF_MAMBA_RELEASES, else
 .venv/mamba-releases/<version>/; see properties/test_upstream.py::test_release_runs_its_properties).
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from ssdiff.cli import main
 from ssdiff.registry import findings
 from ssdiff.reproduce import repro
 from ssdiff.registry.known import BY_ID, DEFECTS, installed_version
@@ -83,7 +87,7 @@ def test_repro_fails_where_the_release_is_affected_and_passes_where_fixed(defect
             pytest.fail(f"the registry says the installed {defect.package} {version} is affected, yet the example does "
                         f"not diverge with it: {found['why']}")
         pytest.skip(f"no repro: {found['why']}")
-    run = findings.run_repro(findings.finding_dir(defect_id) / findings.REPRO_FILE, release=where)
+    run = findings.run_repro(findings.write_repro(defect_id, tmp_path / "repro.py"), release=where)
     said = (run.stdout + run.stderr)[-3000:]
     assert run.returncode == expected, f"{defect.package} {version}: exit {run.returncode}, expected {expected}\n{said}"
     if expected == 0:
@@ -109,11 +113,57 @@ def test_each_finding_is_computed_from_the_registrys_example_and_still_matches_i
         f"`python -m ssdiff.registry.findings --only {defect_id}`")
     assert defect.applies(found["case"]), "the minimized case is no longer one the registry's predicate names"
     if found["has_repro"]:
-        text = (findings.finding_dir(defect_id) / findings.REPRO_FILE).read_text()
+        text = findings.repro_text(found)
         needs_ssdiff = bool(re.search(r"^\s*(from|import) (ssdiff|harness)", text, re.M))
         assert needs_ssdiff == found["implementation"].startswith(THROUGH_THE_REGISTRY), \
             "repro.py must not need ssdiff (but for the implementations it reaches through ssdiff's registry)"
         assert found["case"].describe() in text
+
+
+MACHINE = re.compile(r"/(work|home|root)/\w|/[^\s\"'`]*/site-packages/")
+
+
+@pytest.mark.parametrize("defect_id", [d.id for d in FINDINGS])
+def test_a_findings_repro_is_written_from_its_committed_files_alone_the_same_every_time(defect_id, tmp_path, capsys):
+    """`ssdiff known --repro ID` writes the repro from case.json and finding.json (no kernel run): twice the same
+    bytes, those of `findings.write_repro`, with no date, no path of a machine, and the measurements finding.json
+    holds (the budgets ssdiff allowed, the elements it watched) as they were measured."""
+    found = findings.read_finding(defect_id)
+    if not found["has_repro"]:
+        pytest.skip(f"no repro: {found['why']}")
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    for out in (first, second):
+        assert main(["known", "--repro", defect_id, "--out", str(out)]) == 0
+        assert capsys.readouterr().out.strip() == str(out)
+    text = first.read_text()
+    assert second.read_text() == text == findings.write_repro(defect_id, tmp_path / "third.py").read_text()
+    assert not re.search(r"\d{4}-\d{2}-\d{2}", text.split('"""', 2)[1]), "the repro's docstring carries a date"
+    assert not [line for line in text.splitlines() if MACHINE.search(line)], "a path of this machine"
+    assert f"ALLOWED = {json.dumps(found['repro']['allowed'], sort_keys=True)}" in text
+    assert f"WATCHED = {json.dumps(found['repro']['watched'], sort_keys=True)}" in text
+
+
+def test_ssdiff_known_repro_names_the_id_it_has_no_repro_for(tmp_path, capsys):
+    not_a_finding = next(d.id for d in DEFECTS if not findings.is_finding(d))
+    for defect_id in ("no-such-defect", not_a_finding):
+        assert main(["known", "--repro", defect_id, "--out", str(tmp_path / "repro.py")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and defect_id in err, err
+    assert not (tmp_path / "repro.py").exists()
+
+
+def test_the_findings_computation_writes_the_repro_its_files_render(tmp_path):
+    """compute_here (minimize the registry's example, measure, write case.json, finding.json and repro.py) on the
+    cheapest finding: the repro.py it writes and runs is the one `write_repro` renders from the files it wrote."""
+    defect = BY_ID["mamba-state-update-D-none"]
+    if not defect.affects(installed_version(defect.package)):
+        pytest.skip(f"{defect.package} {installed_version(defect.package)} is not affected by {defect.id}")
+    record = findings.compute_here(defect, root=tmp_path, max_runs=4)
+    assert record["reproduces"] and record["repro_exit"] == 1, record
+    written = (findings.finding_dir(defect.id, tmp_path) / findings.REPRO_FILE).read_text()
+    again = findings.write_repro(defect.id, tmp_path / "again.py", root=tmp_path).read_text()
+    assert again == written
+    assert findings.read_finding(defect.id, tmp_path)["repro"] == record["repro"]
 
 
 def test_render_names_a_finding_not_computed_and_refuses_one_without_a_draft(tmp_path, monkeypatch):

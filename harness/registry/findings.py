@@ -3,14 +3,17 @@
     python -m ssdiff.registry.findings            minimize every finding's example, write its files, render FINDINGS.md
     python -m ssdiff.registry.findings --render   render FINDINGS.md from what reports/findings/ holds (fast)
     python -m ssdiff.registry.findings --check    exit 1 when FINDINGS.md is not what --render would write
+    ssdiff known --repro ID                       write finding ID's repro.py from its files (fast)
 
 Two steps, so that the staleness check needs no kernel run. ``compute`` (slow) minimizes a record's example
-against the float64 oracle (harness/investigate/minimize.py) with a release the record says is affected — the installed
-one, else one installed beside it (``release_dirs``, in a child process: one mamba_ssm per process) — and
-writes reports/findings/<id>/: case.json (the minimized case, or the example when no affected release is
-installed or the example does not diverge there), finding.json (where it was minimized, what diverged, the
-repro's exit status then) and repro.py (harness/reproduce/repro.py). ``render`` (pure) writes FINDINGS.md from the
-registry, those files and DRAFTS below.
+against the float64 oracle (harness/investigate/minimize.py) with a release the record says is affected — the
+installed one, else one installed beside it (``release_dirs``, in a child process: one mamba_ssm per process) —
+and writes reports/findings/<id>/: case.json (the minimized case, or the example when no affected release is
+installed or the example does not diverge there) and finding.json (where it was minimized, what diverged, the
+repro's exit status then, and under "repro" what repro.py says of the run: harness/reproduce/repro.py's
+`measure`). Those two are committed; repro.py is not: `write_repro` renders it from them on demand (``compute``
+writes it beside them too, ignored by git). ``render`` (pure) writes FINDINGS.md from the registry, those files
+and DRAFTS below.
 
 A finding is a record whose status starts with "found by ssdiff", or one fixed in a release (its repro shows
 the fix: it fails on an affected release and passes on the fixed one). The other records are listed in a short
@@ -42,8 +45,6 @@ CATALOGUE = REPO / "FINDINGS.md"
 CASE_FILE, RECORD_FILE, REPRO_FILE = "case.json", "finding.json", "repro.py"
 MAX_RUNS = 200
 REPRO_NEEDS_MAMBA = "torch, triton, einops and mamba-ssm"
-# The line of repro.py that changes every day: two files differing only there are the same repro.
-_WRITTEN_ON = re.compile(r"^Written by ssdiff .* on \d{4}-\d{2}-\d{2}\.$", re.M)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,8 @@ def run_repro(path: Path, release: Optional[Path] = None, timeout: int = 300) ->
 
 def _local_paths(text: str) -> str:
     """Paths of this machine out of a message: '<prefix>/site-packages/mamba_ssm/x.py' -> 'mamba_ssm/x.py'."""
-    return re.sub(r"/\S*?/(mamba_ssm|torch|triton)/", r"\1/", text)
+    text = re.sub(r"/\S*?/(mamba_ssm|torch|triton|fla|transformers|vllm)/", r"\1/", text)
+    return re.sub(r"/\S*?/(site|dist)-packages/", "", text)
 
 
 def symptom(verdict: dict) -> list:
@@ -324,13 +326,6 @@ def symptom(verdict: dict) -> list:
     return lines
 
 
-def _write_if_changed(path: Path, text: str) -> None:
-    """Leave ``path`` alone when only repro.py's 'Written ... on DATE' line would change (idempotent runs)."""
-    if path.is_file() and _WRITTEN_ON.sub("", path.read_text(encoding="utf-8")) == _WRITTEN_ON.sub("", text):
-        return
-    path.write_text(text, encoding="utf-8")
-
-
 def _json(data) -> str:
     return json.dumps(data, indent=2) + "\n"
 
@@ -341,6 +336,8 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
     import triton
 
     from ssdiff.investigate.minimize import NotDiverging, minimize
+    from ssdiff.reproduce import repro
+    from ssdiff.verdict.judge import FACTOR
 
     version = installed_version(defect.package)
     folder = finding_dir(defect.id, root)
@@ -359,7 +356,7 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
             result = minimize(defect.example, defect.implementations[0], device=device, out_dir=scratch,
                               max_runs=max_runs, accept=lambda case: only_this_defect(defect, case),
                               holds=lambda outcome: all(explains(defect, side, outcome) for side in outcome.failing),
-                              choice=defect.example_choice)
+                              choice=defect.example_choice, write_repro=False)
         except NotDiverging as why:
             record.update(reproduces=False, why=_local_paths(str(why)))
             (folder / CASE_FILE).write_text(defect.example.to_json() + "\n", encoding="utf-8")
@@ -372,8 +369,15 @@ def compute_here(defect: KnownDefect, root: Path = FINDINGS_DIR, max_runs: int =
             record.update(reproduces=True, runs=result.shrunk.runs, shrunk=result.minimal != defect.example,
                           symptom=symptom(verdict), raised=raised)
             (folder / CASE_FILE).write_text(result.minimal.to_json() + "\n", encoding="utf-8")
-            _write_if_changed(folder / REPRO_FILE, Path(result.repro_path).read_text(encoding="utf-8"))
+            final = result.outcome
+            measured = repro.measure(result.minimal, list(final.verdicts), final.inputs, final.truth, final.baseline,
+                                     FACTOR, "\n".join(v.message() for v in final.verdicts.values()),
+                                     final.choice, outputs=final.outputs)
+            measured["message"] = _local_paths(measured["message"])
+            (folder / REPRO_FILE).write_text(repro_text({"case": result.minimal, "repro": measured}),
+                                             encoding="utf-8")
             record["repro_exit"] = run_repro(folder / REPRO_FILE, release=_release_of_this_process()).returncode
+            record["repro"] = measured
     (folder / RECORD_FILE).write_text(_json(record), encoding="utf-8")
     return record
 
@@ -425,20 +429,52 @@ def read_finding(defect_id: str, root: Path = FINDINGS_DIR) -> Optional[dict]:
         return None
     record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
     record["case"] = Case.from_json((folder / CASE_FILE).read_text(encoding="utf-8"))
-    record["has_repro"] = (folder / REPRO_FILE).is_file()
+    record["has_repro"] = "repro" in record
     return record
+
+
+class NoRepro(LookupError):
+    """A finding without a repro: no such defect, no files under reports/findings/, or no divergence to show."""
+
+
+def repro_text(found: dict) -> str:
+    """repro.py of a finding (`read_finding`'s record): its case and what finding.json took of the run, rendered
+    by harness/reproduce/repro.py; the same bytes every time, no kernel run."""
+    from ssdiff.reproduce import repro
+
+    return repro.render(found["case"], found["repro"])
+
+
+def write_repro(defect_id: str, out: Optional[Path] = None, root: Path = FINDINGS_DIR) -> Path:
+    """Write finding ``defect_id``'s repro.py from its case.json and finding.json to ``out`` (default: beside them);
+    the path. NoRepro names why there is none."""
+    if defect_id not in BY_ID:
+        raise NoRepro(f"no defect {defect_id!r}")
+    if not is_finding(BY_ID[defect_id]):
+        raise NoRepro(f"{defect_id} is no finding (FINDINGS.md lists it among those not found by ssdiff): it has no "
+                      f"files under reports/findings/")
+    found = read_finding(defect_id, root)
+    if found is None:
+        raise NoRepro(f"{defect_id} has no files under reports/findings/: run `python -m ssdiff.registry.findings "
+                      f"--only {defect_id}`")
+    if not found["has_repro"]:
+        raise NoRepro(f"{defect_id} has no repro: the example does not diverge with {found['release']}")
+    path = Path(out) if out is not None else finding_dir(defect_id, root) / REPRO_FILE
+    path.write_text(repro_text(found), encoding="utf-8")
+    return path
 
 
 def _repro_line(defect: KnownDefect, found: dict) -> str:
     needs = DRAFTS[defect.id].needs
-    path = f"reports/findings/{defect.id}/{REPRO_FILE}"
     if not found["has_repro"]:
         return f"No repro: the example does not diverge with {found['release']} ({found['why']})."
     exit_text = {1: "exits 1 (the divergence exists)", 0: "exits 0 — it does not show the divergence"}
     interpreter = ("; on a machine without a GPU it runs the Triton kernels under the Triton interpreter"
                    if "triton" in needs else "")
-    return (f"`python {path}` (needs {needs}{interpreter}). Exit status 1 while the defect exists, 0 once it is fixed; "
-            f"with {found['release']}, where it was written, it "
+    return (f"`ssdiff known --repro {defect.id}` writes it to `reports/findings/{defect.id}/{REPRO_FILE}` from the "
+            f"files there (`--out FILE` elsewhere). Run with `python` (needs {needs}{interpreter}), it exits 1 while "
+            f"the defect exists, 0 once it is fixed; "
+            f"with {found['release']}, where it was measured, it "
             f"{exit_text.get(found.get('repro_exit'), 'exits ' + str(found.get('repro_exit')))}.")
 
 
@@ -512,6 +548,7 @@ def render(root: Path = FINDINGS_DIR) -> str:
            "The upstream defects ssdiff found, each with its minimized case, a standalone `repro.py` and a draft "
            "upstream report, generated from the known-defect registry (`harness/registry/known.py`) by "
            "`python -m ssdiff.registry.findings` (`--render` rewrites this page from `reports/findings/` alone; "
+           "`ssdiff known --repro ID` writes a finding's `repro.py` from its files there; "
            "`properties/test_findings.py` runs every repro and checks this page is current).", ""]
     for d in found_here:
         out += [f"- [{d.id}](#{d.id}): {d.statement}"]
