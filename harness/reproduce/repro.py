@@ -83,11 +83,13 @@ MAMBA_FUNCTIONS = {
 
 def _force_config_source(index: int, why: str) -> str:
     """Every autotuned kernel on config ``index``: ssdiff's own autotune patch (harness/runtime.py), verbatim."""
-    return (f"# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own pruning): "
-            f"{why}.\n# A config that does not fit this device (shared memory, registers) is skipped for the next one, "
-            f"as the\n# benchmarking autotuner skips it. ssdiff's own autotune patch (harness/runtime.py), verbatim.\n"
-            f"CONFIG_INDEX = {index}\n\n\n{inspect.getsource(runtime._patch_autotuner_choice)}\n\n"
-            f"_patch_autotuner_choice(lambda: CONFIG_INDEX)\n")
+    head = ("# Every autotuned Triton kernel runs config CONFIG_INDEX % (its number of configs, after its own "
+            f"pruning): {why}.")
+    return "\n".join([head, "# A config that does not fit this device (shared memory, registers) is skipped for the "
+                             "next one, as the",
+                       "# benchmarking autotuner skips it. ssdiff's own autotune patch (harness/runtime.py), verbatim.",
+                       f"CONFIG_INDEX = {index}", "", "", inspect.getsource(runtime._patch_autotuner_choice), "",
+                       "_patch_autotuner_choice(lambda: CONFIG_INDEX)", ""])
 
 
 # What the Triton interpreter needs on the CPU: ssdiff's own patches, installed by _patch_interpreter.
