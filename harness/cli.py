@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
+import os
 import signal
 import sys
 import time
+import traceback
 
 STARTED = time.perf_counter()       # the process's start, near enough: the throughput's setup time counts from here
 
 from rich.console import Console
 from rich.table import Table
+
+from ssdiff import exits, runtime  # noqa: E402
 
 console = Console()
 
@@ -96,11 +102,16 @@ def cmd_selfcheck(args) -> int:
 
 
 def cmd_case(args) -> int:
-    from ssdiff.model.case import Case
+    from ssdiff.model.case import Case, CaseError
 
+    status = exits.OK
     for path in args.paths:
-        console.print(f"{path}: {Case.load(path).describe()}", highlight=False)
-    return 0
+        try:
+            console.print(f"{path}: {Case.load(path).describe()}", highlight=False)
+        except CaseError as err:
+            print(f"ssdiff case: {path}: {err}", file=sys.stderr)
+            status = exits.USAGE
+    return status
 
 
 def cmd_report(args) -> int:
@@ -143,7 +154,7 @@ def cmd_fuzz(args) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
+    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
     from ssdiff.campaign.progress import progress_text
     from ssdiff.model.strategies import Bounds
 
@@ -160,12 +171,12 @@ def cmd_fuzz(args) -> int:
     chunk_sizes = getattr(args, "chunk_sizes", None)
     if any(v is not None for v in sizes.values()) or chunk_sizes:
         from ssdiff import runtime
-        from ssdiff.campaign.fuzz import GPU_BOUNDS
+        from ssdiff.campaign.config import GPU_BOUNDS
 
         start = GPU_BOUNDS if (args.device or runtime.default_device()).startswith("cuda") else Bounds()
         fields = {k: v for k, v in sizes.items() if v is not None}
         if chunk_sizes:
-            fields["chunk_sizes"] = tuple(int(c) for c in chunk_sizes.split(","))
+            fields["chunk_sizes"] = chunk_sizes
         bounds = Bounds(**{**start.__dict__, **fields})
     config = FuzzConfig(
         impl=impl, against=against, max_time=max_time, max_examples=max_examples,
@@ -176,24 +187,26 @@ def cmd_fuzz(args) -> int:
         seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
         minimize=not getattr(args, "no_minimize", False), bounds=bounds, pool=getattr(args, "pool", None),
         known=DEMO["known"] if demo else getattr(args, "known", "report"), huge=getattr(args, "huge", 0.0),
-        oracle=getattr(args, "oracle", None) or "ref.chunked")
+        oracle=getattr(args, "oracle", None) or "ref.chunked", post_time=getattr(args, "post_time", None))
     if getattr(args, "no_report", False):
         config.report_dir = None
     if getattr(args, "jobs", 1) > 1:
         from ssdiff.campaign import jobs
 
         return jobs.run(args, args.argv[1:], console, Console(stderr=True))
-    try:
-        fuzzer = Fuzzer(config, started=STARTED)
-    except UsageError as err:
-        print(f"ssdiff fuzz: {err}", file=sys.stderr)
-        return 2
+    fuzzer = Fuzzer(config, started=STARTED)
+    args.run_folder = fuzzer.out_dir
     err_console = Console(stderr=True)
     against_text = config.against or f"the float64 oracle ({config.oracle})"
+    budget = " and ".join(([f"{config.max_time:g} s"] if config.max_time is not None else [])
+                          + ([f"{config.max_examples} cases"] if config.max_examples is not None else []))
+    post = "localize and minimize" if config.localize and config.minimize else \
+        "localize" if config.localize else "minimize" if config.minimize else None
     err_console.print(f"fuzz {config.impl} against {against_text} on {config.device} "
                       f"({', '.join(config.dtypes)}; pass {config.pass_}; autotune {config.autotune}"
-                      f"{'; isolated' if config.isolate else ''}) -> {fuzzer.out_dir}", highlight=False,
-                      soft_wrap=True)
+                      f"{'; isolated' if config.isolate else ''}) -> {fuzzer.out_dir}; search up to {budget}"
+                      + (f", then {post} within {fuzzer.plan.post_time:g} s" if post else ""),
+                      highlight=False, soft_wrap=True)
     state = {"tried": 0, "skipped": 0, "elapsed": 0.0, "worst": {}, "divergences": 0}
     last_print = [0.0]
 
@@ -239,7 +252,8 @@ def cmd_fuzz(args) -> int:
         console.print(f"-> {finding.path}", highlight=False, soft_wrap=True)
         if finding.minimized is not None:
             result = finding.minimized
-            console.print(f"minimized in {finding.minimize_seconds:.1f} s ({result.shrunk.runs} runs): "
+            partial = f" (partial: {result.shrunk.stopped})" if result.partial else ""
+            console.print(f"minimized in {finding.minimize_seconds:.1f} s ({result.shrunk.runs} runs){partial}: "
                           f"{result.minimal.describe()}", highlight=False, soft_wrap=True)
             console.print(f"-> {result.repro_path}", highlight=False, soft_wrap=True)
         elif finding.minimize_problem:
@@ -272,12 +286,24 @@ def cmd_fuzz(args) -> int:
                           + "; ".join(f"{why}: {n}" for why, n in memory.items())
                           + "): other processes on the device, or cases too large for it[/]",
                           highlight=False, soft_wrap=True)
-    if report.harness_errors:
-        err_console.print(f"[yellow]{len(report.harness_errors)} case(s) failed inside ssdiff itself (not the "
-                          f"implementation); the first: {report.harness_errors[0]['error']} (cases in summary.json)[/]",
+    drawn = report.tried + report.skipped + len(report.harness_errors)
+    if report.skipped and report.skipped >= report.tried:
+        top = sorted(report.skip_reasons.items(), key=lambda kv: -kv[1])[:3]
+        err_console.print(f"[yellow]{report.skipped} of {drawn} drawn case(s) were skipped, not judged; the most "
+                          f"common reasons: " + "; ".join(f"{why} ({n})" for why, n in top) + "[/]",
                           highlight=False, soft_wrap=True)
+    if report.harness_errors:
+        errors = {}
+        for item in report.harness_errors:
+            errors[item["error"].split(" (at ")[0]] = errors.get(item["error"].split(" (at ")[0], 0) + 1
+        top = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+        err_console.print(f"[yellow]{len(report.harness_errors)} of {drawn} drawn case(s) failed inside ssdiff itself "
+                          f"(not the implementation): " + "; ".join(f"{why} ({n})" for why, n in top)
+                          + " (cases in summary.json)[/]", highlight=False, soft_wrap=True)
     known_cases = sum(entry["reproduced"] for entry in report.known.values())
-    verdict = (f"{len(report.findings)} new divergence(s)" if report.findings else "no new divergence")
+    verdict = (f"{len(report.findings)} new cause(s), {report.divergent_cases} divergent case(s)" if report.findings
+               else f"judged too little to mean anything: {report.judged_too_little}" if report.judged_too_little
+               else "no new divergence")
     apart = ([f"{known_cases} case(s) of known defects"] if known_cases else []) + \
         ([f"{len(report.tf32_explained)} float32 divergence(s) within budget with exact float32 dots: TF32's loss"]
          if report.tf32_explained else [])
@@ -298,7 +324,7 @@ DEMO = {"impl": "mamba_ssm.split_conv1d_combined", "against": "mamba_ssm.split_c
 
 def _add_fuzz_arguments(p, demo: bool = False):
     from ssdiff.model.case import ENTRY_POINTS
-    from ssdiff.campaign.fuzz import PASSES
+    from ssdiff.campaign.config import PASSES
     from ssdiff.truth import ORACLES
 
     if not demo:
@@ -306,13 +332,18 @@ def _add_fuzz_arguments(p, demo: bool = False):
                        help="the implementation to fuzz: a name from `ssdiff list`, or module:attr")
         p.add_argument("--against", default=None, metavar="NAME",
                        help="a second implementation to compare with (default: the float64 oracle)")
-    p.add_argument("--max-time", type=float, default=None, metavar="S",
-                   help=f"time budget in seconds (default {DEMO['max_time']:g} for demo, 300 for fuzz, unless "
-                        f"--max-examples is given)")
-    p.add_argument("--max-examples", type=int, default=None, metavar="N", help="example budget (cases judged)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-time", type=_seconds, default=None, metavar="S",
+                   help=f"time budget of the search in seconds (default {DEMO['max_time']:g} for demo, 300 for "
+                        f"fuzz, unless --max-examples is given)")
+    p.add_argument("--max-examples", type=_positive_int, default=None, metavar="N",
+                   help="example budget (cases judged)")
+    p.add_argument("--post-time", type=_seconds, default=None, metavar="S",
+                   help="seconds for localizing and minimizing the divergences after the search (default: half the "
+                        "time budget, at least 30; 600 with an example budget alone); what is unfinished then is "
+                        "saved as it stands, said to be partial")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default ssdiff-out/fuzz-<time>)")
-    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (reproducible search)")
+    p.add_argument("--seed", type=_nonnegative_int, default=None, help="Hypothesis seed (reproducible search)")
     if demo:
         return
     p.add_argument("--entry", choices=ENTRY_POINTS, default=None, help="entry point (default: every one both take)")
@@ -326,14 +357,14 @@ def _add_fuzz_arguments(p, demo: bool = False):
     p.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
                    help="draw each search round from a few compile keys, compiled ahead (harness/campaign/pool.py; default: "
                         "natively yes, under the interpreter no)")
-    p.add_argument("--huge", type=float, default=0.0, metavar="RATE",
+    p.add_argument("--huge", type=_chance, default=0.0, metavar="RATE",
                    help="the chance a production key is huge instead: 2**31 elements or more in x or the chunk "
                         "states, forward chunk_scan cases judged on a slice (harness/inputs/huge.py; natively only, "
                         "where the device has room; the nightly campaign's)")
     p.add_argument("--isolate", action="store_true",
                    help="run implementations in a child process: abort, segfault, a poisoned CUDA context and "
                         "hangs become verdicts and the run goes on")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per run under --isolate")
+    p.add_argument("--timeout", type=_seconds, default=300.0, metavar="S", help="seconds per run under --isolate")
     p.add_argument("--keep-going", action="store_true", help="do not stop at the first divergence (bucket them)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="run the campaign as N processes side by side, each with its own seed and a share of the "
@@ -348,28 +379,90 @@ def _add_fuzz_arguments(p, demo: bool = False):
                         "consult the registry: they count as new)")
     p.add_argument("--oracle", choices=ORACLES, default=None, help="the float64 truth (default ref.chunked)")
     for name in ("batch", "seqlen", "nheads", "headdim", "dstate"):
-        p.add_argument(f"--max-{name}", dest=f"max_{name}", type=int, default=None, metavar="N",
+        p.add_argument(f"--max-{name}", dest=f"max_{name}", type=_positive_int, default=None, metavar="N",
                        help=f"largest {name} drawn")
-    p.add_argument("--chunk-sizes", default=None, metavar="Q[,Q]", help="chunk sizes drawn (powers of two)")
+    p.add_argument("--chunk-sizes", type=_chunk_sizes, default=None, metavar="Q[,Q]",
+                   help="chunk sizes drawn (powers of two)")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+class Parser(argparse.ArgumentParser):
+    """argparse with bad usage said in one line (the flag, what was expected, what was given) and exit status 2."""
+
+    def error(self, message):
+        self.exit(exits.USAGE, f"{self.prog}: {message}\n")
+
+
+def _integer(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
 
 
+def _positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def _nonnegative_int(text: str) -> int:
+    return _integer(text, 0, "a non-negative integer")
+
+
+def _seconds(text: str) -> float:
+    """A time budget: a positive finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number of seconds, got {text!r}")
+    return value
+
+
+def _chance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a chance between 0 and 1, got {text!r}")
+    return value
+
+
+def _chunk_sizes(text: str) -> tuple:
+    """Comma-separated powers of two."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(q < 1 or q & (q - 1) for q in sizes):
+        raise argparse.ArgumentTypeError(f"expected powers of two separated by commas (4,8,16), got {text!r}")
+    return sizes
+
+
+def _device(text: str) -> str:
+    """A device torch can use here."""
+    why = runtime.device_problem(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
 def _sides_for(args, path) -> tuple:
-    """--impl/--against, or the sides recorded next to a fuzz finding."""
+    """--impl/--against, or the sides recorded next to the case: a saved run's verdict.json, or a finding's
+    finding.json (reports/findings/ID/)."""
+    from ssdiff.examine import UsageError
+    from ssdiff.registry.findings import recorded_sides as finding_sides
     from ssdiff.store import recorded_sides
 
     if args.impl:
         return args.impl, args.against
-    recorded = recorded_sides(path)
+    recorded = recorded_sides(path) or finding_sides(path)
     if not recorded:
-        raise SystemExit(f"ssdiff: {path}: no verdict.json next to it names the implementations: give --impl")
-    return recorded[0], (recorded[1] if len(recorded) > 1 else None)
+        raise UsageError(f"{path}: no verdict.json or finding.json next to it names the implementations: give --impl")
+    return recorded[0], (recorded[1] if len(recorded) > 1 else args.against)
 
 
 def cmd_minimize(args) -> int:
@@ -398,7 +491,7 @@ def cmd_minimize(args) -> int:
               highlight=False, soft_wrap=True)
     try:
         result = minimize(case, impl, against, device=args.device, out_dir=args.out or path.parent, on_step=on_step,
-                          max_runs=args.max_runs, isolate=args.isolate, choice=args.autotune)
+                          max_runs=args.max_runs, isolate=args.isolate, choice=args.autotune, max_time=args.max_time)
     except NotDiverging as exc:
         console.print(f"nothing to minimize: {exc}", highlight=False, soft_wrap=True)
         return 0
@@ -406,7 +499,8 @@ def cmd_minimize(args) -> int:
     console.print(f"original: {result.original.describe()}", highlight=False, soft_wrap=True)
     console.print(f"minimal:  {result.minimal.describe()}", highlight=False, soft_wrap=True)
     console.print(f"{len(result.shrunk.kept)} steps kept of {result.shrunk.runs} tried in "
-                  f"{time.perf_counter() - start:.1f} s; first divergent stage kept: {result.first_stage or 'n/a'}",
+                  f"{time.perf_counter() - start:.1f} s; first divergent stage kept: {result.first_stage or 'n/a'}"
+                  + (f"; partial: {result.shrunk.stopped}, the smallest case reached" if result.partial else ""),
                   highlight=False)
     if result.irrelevant():
         console.print("did not matter (removed): " + ", ".join(result.irrelevant()), highlight=False)
@@ -503,15 +597,15 @@ def cmd_known(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ssdiff import runtime
 
-    parser = argparse.ArgumentParser(prog="ssdiff", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="ssdiff", description=__doc__.splitlines()[0], epilog=exits.SUMMARY)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     p = sub.add_parser("list", help="every implementation, whether it runs here, and why not")
     p.add_argument("--impl", action="append", metavar="MODULE:FUNCTION",
                    help="also list a callable with mamba_chunk_scan_combined's signature (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="describe each implementation")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("selfcheck", help="the three float64 oracles against each other")
-    p.add_argument("--device", default=runtime.default_device())
+    p.add_argument("--device", type=_device, default=runtime.default_device())
     p.set_defaults(func=cmd_selfcheck)
     p = sub.add_parser("case", help="validate case files and print each one's one-line description")
     p.add_argument("paths", nargs="+", metavar="CASE.json")
@@ -531,17 +625,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("case", metavar="CASE.json")
         p.add_argument("--impl", help="implementation (default: the sides in the verdict.json next to the case)")
         p.add_argument("--against", help="the other side (default: the float64 oracle, or the recorded side)")
-        p.add_argument("--device", default=None)
+        p.add_argument("--device", type=_device, default=None)
         p.add_argument("--isolate", action="store_true", help="run implementations in a child process")
         p.add_argument("--autotune", default="tuned", type=_config_choice, metavar="CHOICE",
                        help="tuned (default), or an index N: every autotuned kernel runs config N %% its count (a "
                             "divergence that depends on the config)")
         if name == "replay":
-            p.add_argument("--worst", type=int, default=0, metavar="N",
+            p.add_argument("--worst", type=_nonnegative_int, default=0, metavar="N",
                            help="also list, for each tensor out of budget, its N elements of the largest ratios")
         if name == "minimize":
             p.add_argument("--out", help="output folder (default: the case's folder)")
-            p.add_argument("--max-runs", type=int, default=300, help="at most this many candidate runs")
+            p.add_argument("--max-runs", type=_positive_int, default=300, help="at most this many candidate runs")
+            p.add_argument("--max-time", type=_seconds, default=None, metavar="S",
+                           help="seconds shrinking may take (default: no bound); the smallest case reached then "
+                                "is written, said to be partial")
         p.set_defaults(func=func)
     p = sub.add_parser("known", help="the known upstream defects (registry), for the installed releases")
     p.add_argument("--impl", action="append", metavar="NAME", help="only this implementation's (repeatable)")
@@ -565,23 +662,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ssdiff import runtime
+    """Run one command; the exit status follows ssdiff.exits: bad input and environments are one line and 2, and a
+    failure inside ssdiff is one line and 5, its traceback saved to a file."""
+    from ssdiff.examine import UsageError
     from ssdiff.model.case import CaseError
-    from ssdiff.campaign.fuzz import UsageError
+    from ssdiff.registry.findings import NoRepro
+    from ssdiff.sides.registry import UnknownImplementation
+    from ssdiff.store import RunError
 
-    runtime.configure()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.func(args)
-    except UsageError as err:
+    except (UsageError, CaseError, RunError, UnknownImplementation, NoRepro) as err:
         print(f"ssdiff {args.command}: {err}", file=sys.stderr)
-        return 2
-    except CaseError as err:
-        # Bad input is one line naming the field, never a traceback.
-        print(f"ssdiff: {err}", file=sys.stderr)
-        return 2
+        return exits.USAGE
+    except KeyboardInterrupt:
+        print("ssdiff: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:                # a bug of ssdiff's own: one line, the traceback kept
+        path = _save_traceback(getattr(args, "run_folder", None) or "ssdiff-out")
+        first = (str(err).splitlines() or [""])[0][:200]
+        command = f"ssdiff {args.command}" if args is not None else "ssdiff"
+        print(f"{command}: internal error ({type(err).__name__}: {first}); its traceback is in {path}: please report "
+              f"it with that file", file=sys.stderr)
+        return exits.INTERNAL
+
+
+def _save_traceback(folder) -> str:
+    """The exception being handled, written with the command line and versions into ``folder``; its path."""
+    os.makedirs(folder, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(folder, f"internal-error-{stamp}.txt")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(f"ssdiff {' '.join(sys.argv[1:])}\npython {sys.version.split()[0]}, {runtime.describe()}\n\n")
+        out.write(traceback.format_exc())
+    return path
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ class Examiner:
 
     def __init__(self, sides, device: str, oracle_name: str = truth.DEFAULT_ORACLE, factor: float = FACTOR,
                  isolate: bool = False, timeout: float = 300.0, top: int = 0, meter=None):
+        why = runtime.device_problem(device)
+        if why:
+            raise UsageError(why)
         self.sides = list(dict.fromkeys(sides))
         self.device = device
         self.oracle_name = oracle_name

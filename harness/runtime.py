@@ -94,6 +94,24 @@ def default_device() -> str:
     return "cuda" if has_gpu() and not interpreted() else "cpu"
 
 
+def device_problem(device) -> Optional[str]:
+    """Why ``device`` cannot be used here (not a device torch names; a GPU torch does not see), on one line naming
+    it, or None."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"device {device!r}: expected cpu or cuda (cuda:N for the N-th GPU)"
+    if parsed.type not in ("cpu", "cuda"):
+        return f"device {device!r}: expected cpu or cuda (cuda:N for the N-th GPU)"
+    if parsed.type == "cuda":
+        if not has_gpu():
+            return (f"device {device!r}: torch {torch.__version__} sees no CUDA device here"
+                    f"{'' if torch.version.cuda else ' (a build without CUDA)'}; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) here"
+    return None
+
+
 def kernel_devices() -> frozenset:
     """Devices Triton kernels run on here: the GPU natively, or the CPU under the interpreter."""
     return frozenset({"cpu"}) if interpreted() else frozenset({"cuda"} if has_gpu() else set())

@@ -10,6 +10,9 @@ checkout on its path, mamba_ssm the installed one or a release installed beside 
 """
 
 import json
+import os
+import subprocess
+import sys
 import re
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from ssdiff import exits
 from ssdiff.cli import main
 from ssdiff.registry import findings
 from ssdiff.reproduce import repro
@@ -141,6 +145,27 @@ def test_a_findings_repro_is_written_from_its_committed_files_alone_the_same_eve
     assert not [line for line in text.splitlines() if MACHINE.search(line)], "a path of this machine"
     assert f"ALLOWED = {json.dumps(found['repro']['allowed'], sort_keys=True)}" in text
     assert f"WATCHED = {json.dumps(found['repro']['watched'], sort_keys=True)}" in text
+
+
+@pytest.mark.parametrize("defect_id", [d.id for d in FINDINGS])
+def test_a_repro_where_it_cannot_run_says_why_in_one_line_and_exits_2(defect_id, tmp_path):
+    """Run without its packages (python -S: no site-packages, so no torch either) a repro says, in one line, what
+    it lacks and exits 2, the exit-status contract's "cannot run here" (neither 0, fixed, nor 1, diverging); so
+    does a repro measured on a GPU where torch sees none (tested where there is none)."""
+    found = findings.read_finding(defect_id)
+    if not found["has_repro"]:
+        pytest.skip(f"no repro: {found['why']}")
+    path = findings.write_repro(defect_id, tmp_path / "repro.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-S", str(path)], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert run.returncode == exits.USAGE, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stderr.strip().startswith("repro.py cannot run here: it needs "), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and not run.stdout, run.stderr
+    if found["repro"]["device"].startswith("cuda") and not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert run.returncode == exits.USAGE and "sees no CUDA device" in run.stderr, run.stderr[-2000:]
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
 def test_ssdiff_known_repro_names_the_id_it_has_no_repro_for(tmp_path, capsys):

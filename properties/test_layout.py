@@ -5,6 +5,7 @@ flows through them; a module may import only from its own part or the parts befo
 
     kernels      ssdiff's own Triton kernels: nothing of the harness
     runtime      the Triton interpreter or a GPU, in one place
+    exits        the exit-status contract of every command and repro
     model        the Case, its features, axes, stages, dtypes, what an evaluation returns, the strategies
     truth        the float64 oracles (equations over tensors)
     inputs       a case's tensors (a decode case's starting state is the truth of its prefill, so after truth)
@@ -37,7 +38,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("kernels", "runtime", "model", "truth", "inputs", "budget", "verdict", "sides", "examine", "store",
+PARTS = ("kernels", "runtime", "exits", "model", "truth", "inputs", "budget", "verdict", "sides", "examine", "store",
          "reproduce", "investigate", "registry", "report", "campaign", "tools", "(top)")
 TOP = ("", "api", "plugin", "testing", "cli")      # "" is ssdiff/__init__.py: the public API
 

@@ -5,6 +5,7 @@ compile pool. Every problem is a UsageError naming the flag."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,6 +20,12 @@ from ssdiff.verdict.judge import FACTOR
 
 PASSES = ("forward", "backward", "mixed")
 AUTOTUNE_POLICIES = ("tuned", "random", "sweep")
+
+# The post-processing bound (FuzzConfig.post_time) by default: this share of the search's time budget, at least
+# POST_MIN_S; POST_EXAMPLES_S where the campaign has an example budget alone.
+POST_SHARE = 0.5
+POST_MIN_S = 30.0
+POST_EXAMPLES_S = 600.0
 
 # Larger shapes where kernels run natively (the float64 oracle on a GPU keeps up).
 GPU_BOUNDS = Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=64, max_dstate=64,
@@ -69,6 +76,10 @@ class FuzzConfig:
     oracle: str = truth.DEFAULT_ORACLE
     factor: float = FACTOR
     ablation_runs: Optional[int] = None
+    # Seconds for localizing and minimizing the divergences once the search has found them (`post_time`: None is
+    # POST_SHARE of max_time, at least POST_MIN_S, or POST_EXAMPLES_S with an example budget alone); what is left
+    # unfinished then is saved as it stands and said to be partial.
+    post_time: Optional[float] = None
     # The HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report); None: no report.
     report_dir: Optional[str] = field(default_factory=lambda: os.environ.get("SSDIFF_REPORTS") or "reports")
 
@@ -78,7 +89,8 @@ class Plan:
     """What a configuration comes to on these sides, here: ``entries`` and ``dtypes`` every side takes (in
     order); ``backward`` True / False / None (both); the ``bounds`` drawn within; the block-size ``boundaries`` of
     every side's kernels (ssdiff.sides.tiling), drawn at bounds.boundary_rate; ``pool``: the compile pool
-    (ssdiff.campaign.pool) natively where a side has kernels to compile, else None."""
+    (ssdiff.campaign.pool) natively where a side has kernels to compile, else None; ``post_time``: the seconds
+    localization and minimization may take after the search."""
 
     entries: tuple
     dtypes: tuple
@@ -86,6 +98,7 @@ class Plan:
     bounds: Bounds
     boundaries: tuple
     pool: Optional[Pool]
+    post_time: float
 
 
 def plan(config: FuzzConfig, examiner: Examiner) -> Plan:
@@ -101,6 +114,11 @@ def plan(config: FuzzConfig, examiner: Examiner) -> Plan:
         raise UsageError(f"--autotune must be tuned, random, sweep or a config index, got {cfg.autotune!r}")
     if cfg.max_time is None and cfg.max_examples is None:
         raise UsageError("give a time budget or an example budget (or both)")
+    for flag, value in (("--max-time", cfg.max_time), ("--post-time", cfg.post_time), ("--timeout", cfg.timeout)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise UsageError(f"{flag}: expected a positive finite number of seconds, got {value!r}")
+    if cfg.max_examples is not None and not (isinstance(cfg.max_examples, int) and cfg.max_examples >= 1):
+        raise UsageError(f"--max-examples: expected a positive integer, got {cfg.max_examples!r}")
     if not 0.0 <= cfg.huge <= 1.0:
         raise UsageError(f"--huge is a chance between 0 and 1, got {cfg.huge!r}")
     entries = set.intersection(*(set(i.capabilities.entries) for i in impls.values()))
@@ -145,7 +163,10 @@ def plan(config: FuzzConfig, examiner: Examiner) -> Plan:
     if cfg.huge and (pool is None or cfg.pool_mix is not None or cfg.bounds is not None):
         raise UsageError("--huge draws production keys of the compile pool: natively (where the pool is on), "
                          "with the default sizes")
-    return Plan(entries, cfg.dtypes, backward, bounds, boundaries, pool)
+    post_time = cfg.post_time if cfg.post_time is not None else (
+        max(POST_MIN_S, POST_SHARE * cfg.max_time) if cfg.max_time is not None else POST_EXAMPLES_S)
+    return Plan(entries, cfg.dtypes, backward, bounds, boundaries, pool, post_time)
 
 
-__all__ = ["FuzzConfig", "Plan", "plan", "PASSES", "AUTOTUNE_POLICIES", "GPU_BOUNDS"]
+__all__ = ["FuzzConfig", "Plan", "plan", "PASSES", "AUTOTUNE_POLICIES", "GPU_BOUNDS", "POST_SHARE", "POST_MIN_S",
+           "POST_EXAMPLES_S"]

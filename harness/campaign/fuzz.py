@@ -45,6 +45,9 @@ from ssdiff.verdict.judge import PROCESS_FAILURES, RUN_FAILURES, budget_rule
 
 # How often a campaign rewrites progress.json in its output folder (seconds).
 PROGRESS_FILE_S = 2.0
+# With keep_going, a divergence seen this many times no longer steers the targeted search (its ratio is left out
+# of the target): the search looks elsewhere for what it has not found.
+STEER_AFTER = 3
 
 
 class Fuzzer:
@@ -89,6 +92,7 @@ class Fuzzer:
         self.schedule = Schedule(cfg.autotune, self.plan.backward, self.budget, self.report, compiler)
         self._progress_written = -PROGRESS_FILE_S
         self._signatures: dict = {}
+        self._post_deadline: Optional[float] = None
 
     # ---- known defects ------------------------------------------------------------------------------------
 
@@ -158,6 +162,30 @@ class Fuzzer:
             finding.path = str(shutil.move(finding.path, folder))
         self._write(finding)
 
+    def post_deadline(self) -> float:
+        """When localization and minimization must end: the post-processing bound (Plan.post_time) from the first
+        time one of them began."""
+        if self._post_deadline is None:
+            self._post_deadline = time.perf_counter() + self.plan.post_time
+        return self._post_deadline
+
+    def _merge_causes(self) -> None:
+        """One cause, one finding: findings whose failing sides, minimal trigger and first divergent stages agree
+        (Finding.cause) become the cases of the first of them; their folders go."""
+        first: dict = {}
+        for finding in list(self.report.findings):
+            key = finding.cause()
+            if key is None:
+                continue
+            if key not in first:
+                first[key] = finding
+                continue
+            kept = first[key]
+            kept.cases += [finding.as_case()] + finding.cases
+            self.report.findings.remove(finding)
+            shutil.rmtree(finding.path, ignore_errors=True)
+            self._write(kept)
+
     def localize(self, finding: Finding) -> None:
         """Stage, coordinates, trigger (harness/investigate/localize.py): re-runs with stages, ablations, configs.
         With keep_going it runs after the search, as minimization does: natively each ablation is a new kernel
@@ -165,7 +193,7 @@ class Fuzzer:
         try:
             finding.localization, finding.staged = localize.investigate(
                 self.examiner, finding.outcome, self.config.ablation_runs,
-                explore_configs=self.config.autotune != "tuned")
+                explore_configs=self.config.autotune != "tuned", deadline=self.post_deadline())
         except runtime.DeviceOutOfMemory as err:        # the machine's limit: the divergence stands, unlocalized
             finding.localization, finding.staged = {"text": f"not localized: {err}"}, {}
 
@@ -177,7 +205,7 @@ class Fuzzer:
             finding.localization, finding.staged, autotune=o.choice, device=self.config.device,
             runtime=runtime.describe(), oracle=self.config.oracle, budget_rule=budget_rule(self.config.factor),
             pair_ratio_by_tensor=o.pair, found_after_s=round(finding.found_after_s, 2),
-            cases_before=finding.cases_before)
+            cases_before=finding.cases_before, cases=finding.cases)
 
     def message(self, finding: Finding) -> str:
         o = finding.outcome
@@ -188,6 +216,14 @@ class Fuzzer:
             worst = max(o.pair.items(), key=lambda kv: kv[1] if math.isfinite(kv[1]) else 1e308)
             lines.append(f"the two sides differ by up to {worst[1]:.3g}x their joint budget ({worst[0]})")
         lines.append(finding.localization.get("text", ""))
+        if finding.cases:
+            lines.append(f"the same cause (sides, trigger and first divergent stage) in {finding.divergent_cases} "
+                         f"divergent cases; besides this one:")
+            lines += [f"  {c['count']} case(s) {c['dtype']} {c['pass']}: {c['signature']} (e.g. {c['description']})"
+                      for c in finding.cases]
+        if finding.minimized is not None and finding.minimized.partial:
+            lines.append(f"minimized partially ({finding.minimized.shrunk.stopped}): the smallest case reached, "
+                         f"{finding.minimized.minimal.describe()}")
         if finding.tf32_replay:
             lines.append(f"replayed with exact float32 dots (TRITON_F32_DEFAULT=ieee): {finding.tf32_replay} The "
                          f"loss is TF32's ({tf32.LIMIT})")
@@ -234,10 +270,13 @@ class Fuzzer:
         if any(v.status in PROCESS_FAILURES for v in finding.outcome.verdicts.values()):
             finding.minimize_problem = "not minimized: a side crashed or hung"
             return
+        if time.perf_counter() >= self.post_deadline():
+            finding.minimize_problem = f"not minimized: the post-processing bound ({self.plan.post_time:g} s) was spent"
+            return
         start = time.perf_counter()
         try:
             finding.minimized = minimize_outcome(self.examiner, finding.outcome, finding.path,
-                                                 max_runs=self.config.minimize_runs)
+                                                 max_runs=self.config.minimize_runs, deadline=self.post_deadline())
         except (NotDiverging, runtime.DeviceOutOfMemory) as exc:
             finding.minimize_problem = str(exc)
         finding.minimize_seconds = time.perf_counter() - start
@@ -258,6 +297,7 @@ class Fuzzer:
         if reason:
             self.report.skipped += 1
             self.report.skip_reasons[reason] = self.report.skip_reasons.get(reason, 0) + 1
+            self._progress(None)
             return False
         try:
             outcome = self.examiner.examine(fitted, choice)
@@ -275,14 +315,18 @@ class Fuzzer:
             from ssdiff.sides.runner import short_error
 
             self.report.harness_errors.append({"case": fitted.to_dict(), "error": short_error(err)})
+            self._progress(None)
             return False
         self.report.note_judged(outcome, self.budget.elapsed())
         explained = self.note_known(outcome)
         self.report.note_ratios(outcome, cfg.factor, explained)
         if self.observe is not None:
             self.observe(outcome)
-        # Known defects do not steer the search: it climbs toward the largest error nothing explains.
-        ratio = outcome.worst_ratio(excluding=explained)
+        # Known defects do not steer the search, nor does a divergence already seen STEER_AFTER times: it climbs
+        # toward the largest error nothing explains yet.
+        seen = self._signatures.get(outcome.signature())
+        ratio = outcome.worst_ratio(excluding=explained | (set(outcome.failing) if seen is not None
+                                                            and seen.repeats + 1 >= STEER_AFTER else set()))
         if target is not None:
             target(math.log10(max(ratio, 1e-12)) if math.isfinite(ratio) else 12.0, label="log10 ratio to budget")
         if set(outcome.failing) - explained:
@@ -418,10 +462,12 @@ class Fuzzer:
                 for finding in self.report.findings:
                     self.localize(finding)
                     self._write(finding)
+                self._merge_causes()
                 self._write_summary()
             if cfg.minimize:
                 for finding in self.report.findings:
                     self._minimize(finding)
+                    self._write(finding)
         finally:
             self.report.search_s = self.report.search_s or self.budget.elapsed()
             if self.schedule.compiler is not None:

@@ -26,6 +26,7 @@ import time
 from datetime import datetime
 from typing import Optional
 
+from ssdiff import exits as status
 from ssdiff import store
 
 # Job i searches with seed + i * SEED_STRIDE (the campaign's seed plus round numbers stay below it).
@@ -233,11 +234,11 @@ def run(args, argv: list, console, err_console) -> int:
     finally:
         for log in logs:
             log.close()
-    exits = [p.returncode for p in procs]
-    if all(code == 2 for code in exits):                  # bad usage: every job said why, the same way
+    codes = [p.returncode for p in procs]
+    if all(code == status.USAGE for code in codes):        # bad usage: every job said why, the same way
         err_console.print((dirs[0] / "log.txt").read_text(encoding="utf-8").strip(), highlight=False, markup=False)
-        return 2
-    merged = merge(out, dirs, seed, time.monotonic() - start, exits)
+        return status.USAGE
+    merged = merge(out, dirs, seed, time.monotonic() - start, codes)
     store.write_summary(out, merged)
     for d in merged["divergences"]:
         console.rule(f"divergence {d['number']} (job {d['job']}, after {d['found_after_s']:.1f} s)")
@@ -268,7 +269,11 @@ def run(args, argv: list, console, err_console) -> int:
     console.print(f"{t['judged']} cases judged in {n} jobs ({t['judged_per_minute']}/min), {t['skipped']} skipped; "
                   f"largest ratio to budget: {worst or 'none'}; output: {out}/ (summary.json)", highlight=False,
                   soft_wrap=True)
-    return 1 if merged["divergences"] else (0 if all(code in (0, 1) for code in exits) else 3)
+    if merged["divergences"]:
+        return status.DIVERGENCE
+    if not all(code in (status.OK, status.DIVERGENCE, status.TOO_LITTLE) for code in codes):
+        return status.JOB_DIED
+    return status.TOO_LITTLE if t["judged"] == 0 else status.OK
 
 
 __all__ = ["run", "merge", "job_argv", "shares", "SEED_STRIDE"]

@@ -9,7 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ssdiff import runtime
+from ssdiff import exits, runtime
 from ssdiff.campaign.config import FuzzConfig
 from ssdiff.examine import PHASES, Outcome
 from ssdiff.sides.environment import environment
@@ -37,6 +37,32 @@ class Finding:
     # float32 under TF32 (harness/investigate/tf32.py): what the replay with exact float32 dots said within budget (the
     # finding then moves to FuzzReport.tf32_explained), "" where it still diverged there, None where not replayed
     tf32_replay: Optional[str] = None
+    # the other divergences of the same cause (`cause`), merged into this one: each its signature, a case (JSON),
+    # its description, dtype and pass, and how many cases had it
+    cases: list = field(default_factory=list)
+
+    @property
+    def divergent_cases(self) -> int:
+        """The cases this finding stands for: its own and its repeats, and those of the divergences merged in."""
+        return 1 + self.repeats + sum(c["count"] for c in self.cases)
+
+    def cause(self) -> Optional[tuple]:
+        """What makes two divergences one cause: the failing sides, the minimal feature trigger and each failing
+        side's first divergent stage (from the localization); None where it was not localized."""
+        trigger = self.localization.get("features", {}).get("trigger")
+        if trigger is None:
+            return None
+        per_side = self.localization.get("per_side", {})
+        stages = tuple((side, per_side.get(side, {}).get("stages", {}).get("first"))
+                       for side in sorted(self.outcome.failing))
+        return tuple(sorted(self.outcome.failing)), tuple(trigger), stages
+
+    def as_case(self) -> dict:
+        """This finding as one of the cases of another of its cause (`cases`)."""
+        case = self.outcome.case
+        return {"signature": signature_text(self.outcome.signature()), "case": case.to_dict(),
+                "description": case.describe(), "dtype": case.dtype, "pass": case.pass_,
+                "count": 1 + self.repeats}
 
 
 @dataclass
@@ -72,8 +98,25 @@ class FuzzReport:
     required: dict = field(default_factory=dict)
 
     @property
+    def judged_too_little(self) -> Optional[str]:
+        """Why the campaign cannot be said to have found nothing (no case judged; more cases failing inside ssdiff
+        than judged), or None."""
+        if self.tried == 0:
+            return "no case was judged"
+        if len(self.harness_errors) > self.tried:
+            return f"{len(self.harness_errors)} cases failed inside ssdiff, more than the {self.tried} judged"
+        return None
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.findings else 0
+        """The exit-status contract (ssdiff.exits): a new divergence, judged too little, or OK."""
+        if self.findings:
+            return exits.DIVERGENCE
+        return exits.TOO_LITTLE if self.judged_too_little else exits.OK
+
+    @property
+    def divergent_cases(self) -> int:
+        return sum(f.divergent_cases for f in self.findings)
 
     def note_judged(self, outcome: Outcome, elapsed: float) -> None:
         """Count a judged case: how many, when the first was, how many at production shapes, where its time went."""
@@ -155,8 +198,12 @@ class FuzzReport:
                              "cases_before": f.cases_before, "case": f.outcome.case.describe(),
                              "summary": f.localization.get("text", ""),
                              "minimized": f.minimized.minimal.describe() if f.minimized else None,
+                             "minimized_partial": f.minimized.partial if f.minimized else None,
                              "minimize_problem": f.minimize_problem or None,
-                             "tf32_replay": f.tf32_replay} for f in self.findings],
+                             "tf32_replay": f.tf32_replay, "divergent_cases": f.divergent_cases,
+                             "cases": f.cases} for f in self.findings],
+            "causes": len(self.findings), "divergent_cases": self.divergent_cases,
+            "judged_too_little": self.judged_too_little,
             "tf32_explained": [{"number": f.number, "path": f.path, "signature": signature_text(f.outcome.signature()),
                                 "repeats": f.repeats, "found_after_s": round(f.found_after_s, 2),
                                 "case": f.outcome.case.describe(), "replay": f.tf32_replay}

@@ -20,6 +20,7 @@ in words:
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Optional
 
 from ssdiff import runtime
@@ -35,9 +36,10 @@ from ssdiff.verdict.judge import RUN_FAILURES, TensorVerdict, Verdict
 # ---- features ----------------------------------------------------------------------------------------------
 
 def minimal_trigger(case: Case, still_diverges: Callable[[Case], bool],
-                    budget_runs: Optional[int] = None) -> dict:
+                    budget_runs: Optional[int] = None, deadline: Optional[float] = None) -> dict:
     """Switch features off one at a time (in harness/model/features.py's order), keeping each switch-off under which
-    ``still_diverges`` holds.
+    ``still_diverges`` holds; at most ``budget_runs`` runs, none begun once time.perf_counter() passes
+    ``deadline`` (a feature not tried stays in the trigger).
     Returns {"trigger": [keys], "labels": [...], "minimal_case": Case dict, "tried": [{key, kept}], "text"}."""
     current = case
     trigger, tried = [], []
@@ -48,6 +50,10 @@ def minimal_trigger(case: Case, still_diverges: Callable[[Case], bool],
             continue
         if budget_runs is not None and runs >= budget_runs:
             tried.append({"feature": f.key, "result": "not tried (run budget spent)"})
+            trigger.append(f.key)
+            continue
+        if deadline is not None and time.perf_counter() >= deadline:
+            tried.append({"feature": f.key, "result": "not tried (time bound spent)"})
             trigger.append(f.key)
             continue
         runs += 1
@@ -314,7 +320,8 @@ def describe_primary(verdict: Verdict, stage_result: Optional[dict]) -> Optional
 MAX_CONFIGS_SWEPT = 16
 
 
-def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_configs: bool = False) -> tuple:
+def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_configs: bool = False,
+                deadline: Optional[float] = None) -> tuple:
     """Localize ``outcome``'s divergence with ``examiner`` (ssdiff.examine.Examiner): the sides, the feature
     trigger (ablations judged with ssdiff.examine.same_divergence), and per failing side the first divergent
     stage and the coordinates, and with ``explore_configs`` the autotune configs that diverge. Returns
@@ -334,7 +341,7 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
 
     trigger = None
     if not any(v.status == "hang" for v in failing.values()):
-        trigger = minimal_trigger(case, same, ablation_runs)
+        trigger = minimal_trigger(case, same, ablation_runs, deadline)
         result["features"] = trigger
     examiner.keep(outcome)
     per_side, staged_verdicts = {}, {}
@@ -356,7 +363,7 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
                 coords.append(coordinates(worst_out, case))
             entry["coordinates"] = coords
             if explore_configs and any(l.nconfigs > 1 for l in outcome.launches.get(spec, [])):
-                entry["configs"] = _config_sweep(examiner, case, spec)
+                entry["configs"] = _config_sweep(examiner, case, spec, deadline)
         per_side[spec] = entry
     result["per_side"] = per_side
     for spec, entry in per_side.items():
@@ -374,9 +381,11 @@ def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_
     return result, staged_verdicts
 
 
-def _config_sweep(examiner, case: Case, spec: str) -> dict:
+def _config_sweep(examiner, case: Case, spec: str, deadline: Optional[float] = None) -> dict:
     per_index, sweep = [], runtime.ConfigSweep(limit=MAX_CONFIGS_SWEPT)
     for index in sweep:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         out = examiner.examine(case, index, sides=[spec])
         launches = out.launches.get(spec, [])
         per_index.append((index, not out.verdicts[spec].ok, launches))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -49,6 +50,11 @@ class Minimized:
 
     def irrelevant(self) -> list:
         return self.shrunk.irrelevant_features()
+
+    @property
+    def partial(self) -> bool:
+        """Whether shrinking stopped at its run or time bound: ``minimal`` is the smallest reached."""
+        return self.shrunk.partial
 
 
 def _raised(verdict) -> str:
@@ -91,11 +97,14 @@ def persists_predicate(examiner: Examiner, original: Outcome, first_stage: Optio
 def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Optional[Callable[[Step], None]] = None,
                      max_runs: int = 300, write_repro: bool = True,
                      accept: Optional[Callable[[Case], bool]] = None,
-                     holds: Optional[Callable[[Outcome], bool]] = None) -> Minimized:
+                     holds: Optional[Callable[[Outcome], bool]] = None,
+                     deadline: Optional[float] = None) -> Minimized:
     """Shrink the diverging ``original`` (examined by ``examiner``) and write minimized.json,
     minimized-verdict.json and repro.py into ``out_dir``. Raises NotDiverging when it does not diverge.
     ``accept``: a condition every smaller case must keep (a known defect's predicate, say); ``holds``: one every
-    smaller case's outcome must keep (that the defect explains its divergence, say)."""
+    smaller case's outcome must keep (that the defect explains its divergence, say). Shrinking stops at
+    ``max_runs`` runs or once time.perf_counter() passes ``deadline``: the smallest case reached is written, and
+    minimized.json says it is partial."""
     if not original.diverged:
         raise NotDiverging(f"{original.case.describe()}: no divergence — "
                            + "; ".join(v.message() for v in original.verdicts.values()))
@@ -110,7 +119,7 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     first = None if failing[side].status in RUN_FAILURES else first_stage_of(examiner, original.case, side, choice)
     kept = [original]
     shrunk = shrink(original.case, persists_predicate(examiner, original, first, kept, accept, holds),
-                    on_step=on_step, max_runs=max_runs)
+                    on_step=on_step, max_runs=max_runs, deadline=deadline)
     examiner.keep(kept[-1])                          # the minimal case: examined again with its evidence
     final = examiner.examine(shrunk.minimal, choice, stages=True)
     out = Path(out_dir)
@@ -119,7 +128,8 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     result.files = store.write_minimized(out, shrunk.minimal, {
         "original": original.case.to_dict(), "minimal": shrunk.minimal.to_dict(),
         "minimal_description": shrunk.minimal.describe(), "sides": examiner.sides, "device": examiner.device,
-        "autotune": choice, "first_stage": first, "runs": shrunk.runs,
+        "autotune": choice, "first_stage": first, "runs": shrunk.runs, "stopped": shrunk.stopped,
+        "partial": shrunk.partial,
         "steps_kept": [s.change for s in shrunk.kept],
         "irrelevant_features": shrunk.irrelevant_features(),
         "verdicts": {side: v.to_dict() for side, v in final.verdicts.items()},
@@ -137,9 +147,11 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
              max_runs: int = 300, isolate: bool = False, write_repro: bool = True,
              oracle_name: str = DEFAULT_ORACLE, factor: float = FACTOR,
              accept: Optional[Callable[[Case], bool]] = None,
-             holds: Optional[Callable[[Outcome], bool]] = None) -> Minimized:
+             holds: Optional[Callable[[Outcome], bool]] = None, max_time: Optional[float] = None) -> Minimized:
     """Shrink ``case`` while impl (vs against, or vs the oracle) keeps the same divergence; write the results
-    into ``out_dir`` (default ssdiff-out/minimize-<time>). Raises NotDiverging when the case does not diverge."""
+    into ``out_dir`` (default ssdiff-out/minimize-<time>). ``max_time``: seconds shrinking may take (the run under
+    way finishes; None: no bound). Raises NotDiverging when the case does not diverge."""
+    deadline = None if max_time is None else time.perf_counter() + max_time
     runtime.configure()
     device = device or runtime.default_device()
     with Examiner([impl] + ([against] if against else []), device, oracle_name=oracle_name, factor=factor,
@@ -151,7 +163,8 @@ def minimize(case: Case, impl: str, against: Optional[str] = None, device: Optio
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         out = out_dir or os.path.join("ssdiff-out", f"minimize-{stamp}")
         return minimize_outcome(examiner, examiner.examine(fitted, choice), out, on_step=on_step,
-                                max_runs=max_runs, write_repro=write_repro, accept=accept, holds=holds)
+                                max_runs=max_runs, write_repro=write_repro, accept=accept, holds=holds,
+                                deadline=deadline)
 
 
 def replay(case: Case, impl: str, against: Optional[str] = None, device: Optional[str] = None, choice="tuned",

@@ -9,6 +9,7 @@ Candidates come biggest-reduction first, so the loop spends its runs where they 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
@@ -26,10 +27,19 @@ class Step:
 
 @dataclass
 class Shrunk:
+    """original, the smallest ``minimal`` reached, every step tried, the predicate runs, and why it stopped: at a
+    local minimum (no candidate keeps the divergence), or with its run or time bound spent (`partial`)."""
+
     original: Case
     minimal: Case
     steps: list = field(default_factory=list)
     runs: int = 0
+    stopped: str = "a local minimum"
+
+    @property
+    def partial(self) -> bool:
+        """Whether it stopped before a local minimum: ``minimal`` is the smallest reached, not a minimum."""
+        return self.stopped != "a local minimum"
 
     @property
     def kept(self) -> list:
@@ -172,17 +182,24 @@ def candidates(case: Case) -> Iterator[tuple]:
 
 
 def shrink(case: Case, persists: Callable[[Case], bool], on_step: Optional[Callable[[Step], None]] = None,
-           max_runs: int = 400) -> Shrunk:
+           max_runs: int = 400, deadline: Optional[float] = None) -> Shrunk:
     """Greedy delta debugging: take the first candidate that keeps ``persists`` true, start over from it; stop
-    when no candidate does (a local minimum) or after ``max_runs`` predicate runs."""
+    when no candidate does (a local minimum), after ``max_runs`` predicate runs, or once time.perf_counter()
+    passes ``deadline`` (the run under way finishes): then the smallest case reached is the result, partial."""
     result = Shrunk(original=case, minimal=case)
     tried = set()
     progress = True
-    while progress and result.runs < max_runs:
+    while progress:
         progress = False
         for change, candidate in candidates(result.minimal):
             if candidate in tried:
                 continue
+            if result.runs >= max_runs:
+                result.stopped = f"its run bound ({max_runs} runs) spent"
+                return result
+            if deadline is not None and time.perf_counter() >= deadline:
+                result.stopped = "its time bound spent"
+                return result
             tried.add(candidate)
             result.runs += 1
             kept = bool(persists(candidate))
@@ -193,7 +210,5 @@ def shrink(case: Case, persists: Callable[[Case], bool], on_step: Optional[Calla
             if kept:
                 result.minimal = candidate
                 progress = True
-                break
-            if result.runs >= max_runs:
                 break
     return result

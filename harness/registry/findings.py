@@ -433,6 +433,16 @@ def read_finding(defect_id: str, root: Path = FINDINGS_DIR) -> Optional[dict]:
     return record
 
 
+def recorded_sides(case_path) -> list:
+    """The implementation a finding's case.json diverges on, from the finding.json beside it, or []."""
+    record = Path(case_path).with_name(RECORD_FILE)
+    try:
+        implementation = json.loads(record.read_text(encoding="utf-8")).get("implementation")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [implementation] if isinstance(implementation, str) else []
+
+
 class NoRepro(LookupError):
     """A finding without a repro: no such defect, no files under reports/findings/, or no divergence to show."""
 

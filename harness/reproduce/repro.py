@@ -280,6 +280,9 @@ def decode_with_dynamic_cache(layer, config, u, prefill):
     return torch.cat(outs, dim=1)
 '''
 
+# A package a repro needs -> the name it is imported by (a repro that lacks one says so and exits 2).
+IMPORT_NAMES = {"mamba-ssm": "mamba_ssm", "flash-linear-attention": "fla", "fla-core": "fla", "causal-conv1d": "causal_conv1d"}
+
 LAYER_PACKAGES = {"mamba_ssm.": ("mamba-ssm", "einops", "huggingface_hub"),
                   "fla.": ("flash-linear-attention", "fla-core", "transformers"), "transformers.": ("transformers",)}
 
@@ -511,11 +514,15 @@ def render(case: Case, measured: dict) -> str:
             preamble.append(LAYER_DECODE_TRANSFORMERS)
     if case.varlen_states:
         preamble.append(f"CU_SEQLENS = torch.tensor({cu_seqlens(case).tolist()}, dtype=torch.int32, device=DEVICE)")
+    modules = {"torch": "torch", **({"triton": "triton"} if uses_triton else {})}
+    for need in needs:
+        first = need.split()[0]
+        modules.setdefault(IMPORT_NAMES.get(first, first.replace("-", "_")), first)
     template = jinja2.Template(TEMPLATE.read_text(encoding="utf-8"), keep_trailing_newline=True,
                                trim_blocks=True, lstrip_blocks=True)
     return template.render(
         title=f"{' vs '.join(sides)} on {case.entry}", case_line=case.describe(), sides=sides, case=case,
-        measured=measured, needs_triton=uses_triton, needs=needs, interpreter=interpreter,
+        measured=measured, needs_triton=uses_triton, needs=needs, modules=modules, interpreter=interpreter,
         case_json=pprint.pformat(case.to_dict(), width=110, sort_dicts=False), watched_cap=WATCHED,
         draw_source=_draw_source(), preamble="\n\n".join(p.strip("\n") for p in preamble),
         side_code=side_code, differentiable=list(differentiable_names(case)))
