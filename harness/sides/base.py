@@ -5,6 +5,12 @@ test and returns its outputs (and, when it can, stage intermediates in the layou
 harness/model/stages.py). The shared `run` does the rest: builds native tensors in the case's layout,
 differentiates for backward cases, and collects everything into an `Evaluation` (harness/model/evaluation.py). A case outside the capabilities is
 skipped with the reason (`Implementation.skip_reason`), never reshaped to fit.
+
+Its `Testing` record says how the one generic property (properties/test_implementations.py, through
+ssdiff.testing) checks it against the oracle: where cases are drawn and how many, under which autotune configs,
+its pinned regression cases, and whether its stage intermediates are judged. The default suits a plain upstream
+adapter whose kernels are Triton; an adapter sets its own where it needs other numbers. Capabilities say what the
+call can express; neither they nor the record say what is wrong with it (that is harness/registry/known.py).
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ssdiff.model.case import Case, CaseError
+from ssdiff.model.case import Case, CaseError, Regime
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
 from ssdiff.model.features import FEATURES, present, without
+from ssdiff.model.strategies import Bounds
 from ssdiff.inputs import Inputs
 
 
@@ -35,12 +42,90 @@ class Capabilities:
     limits: tuple = ()
 
 
+@dataclass(frozen=True)
+class Domain:
+    """A part of the case space the generic property draws an implementation's cases from, in the test's pass and
+    dtype: entry points ``entries`` (empty: every one its capabilities list) within ``interpreted`` bounds under
+    the Triton interpreter and ``native`` ones natively.
+
+    examples / native_examples: (forward, backward) examples per dtype under the interpreter / natively, each
+    scaled by SSDIFF_EXAMPLES_SCALE and capped by the hypothesis profile's max_examples; with
+    ``grows_with_profile`` multiplied first by PROFILE_GROWTH's factor for the profile (gpu 5, nightly 20).
+    configs: (under the interpreter, natively) how many autotune config indices are drawn (index i runs config
+    i % n of a kernel with n); 1 is config 0 alone (natively "tuned" would benchmark, and so compile, every config
+    of every kernel for each drawn shape). program_budget: under the interpreter, no case with more kernel
+    programs (batch * nheads * chunks) than that (each program runs as Python there); None: no limit."""
+
+    interpreted: Bounds
+    native: Bounds
+    entries: tuple = ()
+    examples: tuple = (3, 2)
+    native_examples: tuple = (6, 6)
+    grows_with_profile: bool = False
+    configs: tuple = (12, 2)
+    program_budget: Optional[int] = 16
+
+
+PROFILE_GROWTH = {"gpu": 5, "nightly": 20}
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A regression case the generic property runs before it draws, under autotune config ``config``, narrowed to
+    the implementation (what it cannot express switched off; left out where it still cannot run it or a known defect
+    of the installed release explains it). It runs in its own pass and dtype; with ``every_pass`` in every pass and
+    dtype the implementation is tested in (the case's own replaced); with ``last_dtype`` in the last dtype Triton
+    kernels run in here (bfloat16 on a GPU, float16 under the interpreter) instead of its own."""
+
+    case: Case
+    config: int = 0
+    every_pass: bool = False
+    last_dtype: bool = False
+
+
+# The upstream adapters' cases: tiny under the interpreter (each kernel program is Python), realistic on a GPU.
+UPSTREAM = Domain(interpreted=Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=8, max_dstate=8,
+                                     chunk_sizes=(8, 16)),
+                  native=Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=72, max_dstate=72,
+                                chunk_sizes=(16, 32, 64, 128)))
+# Pure-torch code is fast anywhere: more examples under the interpreter, and no program budget (it has none).
+PURE_TORCH = Domain(interpreted=UPSTREAM.interpreted, native=UPSTREAM.native, examples=(12, 12), program_budget=None)
+
+# Every feature at once, run first in every pass and dtype whatever the example budget (narrowed to each
+# implementation), under config 3.
+EVERY_FEATURE = tuple(Pinned(case, config=3, every_pass=True) for case in (
+    Case(batch=2, seqlen=20, nheads=4, ngroups=2, headdim=5, dstate=6, chunk_size=8, D="channel", has_z=True,
+         dt_limit=(0.01, 2.0), initial_states=True, segments=((5, 12), (9, 8)), padding=(3, 3),
+         regime=Regime(decay="typical", layout="strided"), seed=11),
+    Case(batch=1, seqlen=19, nheads=3, ngroups=3, headdim=4, dstate=5, chunk_size=8, D="head", has_z=False,
+         initial_states=True, segments=((10, 4, 3),), padding=(2,), seq_idx_start=0, varlen_states=True,
+         regime=Regime(decay="mild", dt_large=True), seed=12),
+    Case(entry="split_conv1d", batch=2, seqlen=20, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=8,
+         D="channel", rmsnorm=True, norm_before_gate=False, d_nonssm=2, out_dim=6, outproj_bias=True,
+         initial_states=True, dt_limit=(0.001, 1.0), segments=((7, 13), (20,)), seed=13),
+))
+
+
+@dataclass(frozen=True)
+class Testing:
+    """How the generic property (properties/test_implementations.py) checks an implementation against the float64
+    oracle: cases drawn from each of ``domains`` in turn (`Domain`), ``pinned`` regression cases run first
+    (`Pinned`), and with ``stages`` the stage intermediates of forward cases judged as well (each against the
+    oracle's stage with its own budget)."""
+
+    domains: tuple = (UPSTREAM,)
+    pinned: tuple = EVERY_FEATURE
+    stages: bool = False
+
+
 class Implementation:
-    """Subclass and set ``name``, ``description``, ``capabilities``; write ``forward``."""
+    """Subclass and set ``name``, ``description``, ``capabilities`` (and ``testing`` where the default record does
+    not suit it); write ``forward``."""
 
     name: str = ""
     description: str = ""
     capabilities: Capabilities = Capabilities()
+    testing: Testing = Testing()
     # The order its scan evaluates in: "chunked" (the baseline's model, harness/budget/) or "recurrent"
     # (token by token: the evidence adds the model in the token order, whose rounding grows with the tokens a state
     # carries, as a token recurrence's does; harness/examine.py).

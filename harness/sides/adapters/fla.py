@@ -30,7 +30,7 @@ from ssdiff.model.case import Case
 from ssdiff.model.features import NEEDS_SEQ_IDX
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.sides.base import Capabilities, Implementation
+from ssdiff.sides.base import PURE_TORCH, Capabilities, Implementation, Testing
 from ssdiff.inputs import Inputs
 
 
@@ -222,6 +222,7 @@ class NaiveRecurrentSimpleGla(FlaImplementation):
     pure_torch = True
     evaluation_order = "recurrent"
     has_cu_seqlens = False
+    testing = Testing(domains=(PURE_TORCH,))
 
     def call(self, q, k, v, g, initial_state, cu_seqlens):
         assert cu_seqlens is None

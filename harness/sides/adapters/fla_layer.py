@@ -16,6 +16,7 @@ mamba_ssm is loaded first (ssdiff.sides.upstream), with the causal_conv1d stand-
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import warnings
@@ -28,8 +29,8 @@ from ssdiff.sides import upstream
 from ssdiff.model.case import Case
 from ssdiff.model.features import NEEDS_SEQ_IDX
 from ssdiff.sides.registry import register
-from ssdiff.sides.base import Capabilities
-from ssdiff.sides.adapters.layer_loading import Construction, LayerImplementation
+from ssdiff.sides.base import UPSTREAM, Capabilities, Testing
+from ssdiff.sides.adapters.layer_loading import LAYER, LAYER_PINNED, Construction, LayerImplementation
 from ssdiff.sides.adapters.mamba_ssm import conv_channels_8, mixer_stages
 
 MODULE = "fla.layers.mamba2"
@@ -193,6 +194,8 @@ class FlaLayerTorch(FlaLayer):
                    "off a GPU or without mamba_ssm); fwd + bwd")
     path = "torch"
     method = "torch_forward"
+    # torch around a few Triton kernels that run on any device it does: no program budget
+    testing = Testing(domains=(dataclasses.replace(UPSTREAM, program_budget=None), LAYER), pinned=LAYER_PINNED)
 
 
 for _impl in (FlaLayerTriton(), FlaLayerFused(), FlaLayerTorch()):

@@ -23,7 +23,8 @@ from torch import nn
 
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.sides.base import Implementation
+from ssdiff.model.strategies import Bounds
+from ssdiff.sides.base import UPSTREAM, Domain, Implementation, Pinned, Testing
 from ssdiff.inputs import Inputs
 
 
@@ -69,9 +70,32 @@ def layer_config_key(case: Case) -> tuple:
             case.conv_bias)
 
 
+# The layer entry's own cases: a layer runs in_proj, the conv, five SSD kernels, the norm and out_proj, so small
+# shapes under the interpreter; one example per pass and dtype, config 0, besides what UPSTREAM draws.
+LAYER = Domain(interpreted=Bounds(max_batch=2, max_seqlen=20, max_nheads=4, max_headdim=6, max_dstate=6,
+                                  chunk_sizes=(4, 8, 16)),
+               native=Bounds(max_batch=2, max_seqlen=256, max_nheads=16, max_headdim=64, max_dstate=64),
+               entries=("layer",), examples=(1, 1), native_examples=(1, 1), configs=(1, 1), program_budget=None)
+_LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
+LAYER_PINNED = (
+    Pinned(Case(**_LAYER, batch=2, seqlen=9, nheads=4, ngroups=1, headdim=4, dstate=4, chunk_size=4, d_model=8,
+                rmsnorm=True, bias=True, pass_="backward")),
+    Pinned(Case(**_LAYER, batch=2, seqlen=7, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=4, d_model=4,
+                d_nonssm=8, rmsnorm=True, layer_steps=3), last_dtype=True),
+    # one token through a norm over one group: y is x scaled, the norm undoes the scale, and the gradient of D is
+    # the eps term alone (1e-4) — within budget only because the model stores the scan output the norm reads
+    Pinned(Case(**_LAYER, seqlen=1, nheads=1, headdim=6, dstate=1, chunk_size=4, conv_width=1, d_model=1,
+                conv_bias=False, rmsnorm=True, pass_="backward"), last_dtype=True),
+)
+# A layer whose kernels are Triton: the upstream adapters' cases and the layer's own.
+LAYER_TESTING = Testing(domains=(UPSTREAM, LAYER), pinned=LAYER_PINNED)
+
+
 class LayerImplementation(Implementation):
     """A Mamba-2 layer module driven with the case's weights. Subclasses write `construction` (and may change
     `parameters`, `kernel_stages`)."""
+
+    testing = LAYER_TESTING
 
     def __init__(self):
         self._modules: dict = {}

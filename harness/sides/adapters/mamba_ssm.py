@@ -32,11 +32,13 @@ import torch
 
 from ssdiff import runtime
 from ssdiff.sides import upstream
-from ssdiff.model.case import Case
+from ssdiff.model.case import Case, Regime
 from ssdiff.model.features import NEEDS_SEQ_IDX
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.sides.base import Capabilities, Implementation, limit
+from ssdiff.model.strategies import Bounds
+from ssdiff.sides.base import (PURE_TORCH, UPSTREAM, Capabilities, Domain, Implementation, Pinned, Testing,
+                               limit)
 
 ALL_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
@@ -229,6 +231,7 @@ class ChunkScanRef(ChunkScan):
     description = "mamba_ssm ssd_chunk_scan_combined_ref (pure torch; not a gradient oracle: NaN under strong decay)"
     function_name = "ssd_chunk_scan_combined_ref"
     pure_torch = True
+    testing = Testing(domains=(PURE_TORCH,))
 
     def detect(self, rel):
         return self.declared(unsupported=NEEDS_SEQ_IDX | {"dt_limit", "initial_states", "final_states",
@@ -243,6 +246,7 @@ class SsdMinimal(MambaImplementation):
     description = "mamba_ssm ssd_minimal_discrete (pure torch, the paper's listing; X = x*dt, A*dt, B/C per head)"
     pure_torch = True
     needs = ("ssd_minimal",)
+    testing = Testing(domains=(PURE_TORCH,))
 
     def detect(self, rel):
         return self.declared(unsupported=NEEDS_SEQ_IDX | {"D", "z", "dt_bias", "dt_softplus", "dt_limit",
@@ -393,6 +397,15 @@ def state_dtype_runs(case: Case) -> Optional[str]:
     return f"state dtype {case.state_dtype}: {why}" if why else None
 
 
+# The decode entry's own cases: each decode step is one kernel launch (batch * nheads programs under the
+# interpreter), so small shapes there and no budget of programs per chunk; config 0. As many as a property at the ci
+# profile draws (50) over the two dtypes the interpreter runs; natively 13 a dtype, the gpu profile's 200 over three.
+DECODE = Domain(interpreted=Bounds(max_batch=2, max_seqlen=12, max_nheads=4, max_headdim=6, max_dstate=8),
+                native=Bounds(max_batch=4, max_seqlen=64, max_nheads=16, max_headdim=64, max_dstate=128),
+                examples=(25, 0), native_examples=(13, 0), grows_with_profile=True, configs=(1, 1),
+                program_budget=None)
+
+
 class SelectiveStateUpdate(MambaImplementation):
     """The decode entry by the step kernel, as Mamba-2's step() calls it: A, dt, dt_bias and a per-head D
     broadcast over headdim with stride 0 (the kernel's tie_hdim path), one call per decoded token, the state
@@ -401,6 +414,12 @@ class SelectiveStateUpdate(MambaImplementation):
 
     name = "mamba_ssm.selective_state_update"
     description = "mamba_ssm selective_state_update (Triton; the decode step kernel; forward only)"
+    testing = Testing(domains=(UPSTREAM, DECODE), pinned=(
+        Pinned(Case(entry="decode", batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
+                    D="channel", has_z=True, initial_states=True, state_batch_indices=True)),
+        Pinned(Case(entry="decode", batch=1, seqlen=4, nheads=3, ngroups=3, headdim=6, dstate=7, decode_steps=4,
+                    dtype="float16", state_dtype="float16", regime=Regime(decay="strong", dt_large=True))),
+    ))
 
     def unavailable(self) -> Optional[str]:
         problem = upstream.mamba_ssm_problem()

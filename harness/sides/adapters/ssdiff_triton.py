@@ -14,18 +14,77 @@ from typing import Optional
 import torch
 
 from ssdiff import runtime
-from ssdiff.model.case import Case
+from ssdiff.model.case import Case, Regime
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.sides.base import Capabilities, Implementation
+from ssdiff.model.strategies import Bounds
+from ssdiff.sides.base import Capabilities, Domain, Implementation, Pinned, Testing
 from ssdiff.inputs import Inputs
+from ssdiff.kernels.ssd import configs as kernel_configs
 
 SCAN_STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated")
+
+
+def _domain(bounds: Bounds, entry: str, examples: tuple, native: tuple) -> Domain:
+    """The same shapes in either runtime; every configuration of every kernel drawn (config i % n of each); the
+    gpu and nightly profiles multiply the counts (base.PROFILE_GROWTH)."""
+    n = kernel_configs.max_configs()
+    return Domain(interpreted=bounds, native=bounds, entries=(entry,), examples=examples, native_examples=native,
+                  grows_with_profile=True, configs=(n, n), program_budget=None)
+
+
+TESTING = Testing(
+    domains=(
+        _domain(Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=6, max_dstate=6, chunk_sizes=(4, 8, 16)),
+                "chunk_scan", (10, 8), (7, 5)),
+        # Chunks of 32 and 64 tokens: several row and column tiles inside one chunk, so the tile-to-tile paths run
+        # (tiles wholly below the diagonal, tiles that straddle it, the running row prefix of the dA gradient). The
+        # small chunks above fit in one tile of every configuration.
+        _domain(Bounds(max_batch=1, max_seqlen=80, max_nheads=2, max_headdim=4, max_dstate=4, chunk_sizes=(32, 64)),
+                "chunk_scan", (1, 1), (1, 1)),
+        _domain(Bounds(max_batch=2, max_seqlen=16, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8)),
+                "split_conv1d", (2, 2), (1, 1)),
+    ),
+    pinned=(
+        Pinned(Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
+                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True, seq_idx_start=1,
+                    regime=Regime(decay="strong")), config=2),
+        Pinned(Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
+                    segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True,
+                    regime=Regime(decay="strong"), pass_="backward", final_state_grad=True), config=0),
+        Pinned(Case(batch=1, seqlen=40, nheads=4, ngroups=2, headdim=20, dstate=18, chunk_size=16, D="channel",
+                    has_z=True, initial_states=True, dt_limit=(0.01, 0.2), dtype="float16",
+                    regime=Regime(layout="strided"), pass_="backward", final_state_grad=True), config=1),
+        Pinned(Case(batch=2, seqlen=22, nheads=2, headdim=1, ngroups=2, dstate=1, chunk_size=8, dtype="float16",
+                    has_z=True, dt_softplus=False, return_final_states=False,
+                    regime=Regime(scale=4.0, layout="strided"), pass_="backward", seed=190), config=0),
+        Pinned(Case(batch=1, seqlen=70, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="channel",
+                    segments=((20, 30, 20),), initial_states=True, regime=Regime(decay="mild"), pass_="backward",
+                    final_state_grad=True), config=1),
+        Pinned(Case(batch=1, seqlen=80, nheads=2, ngroups=2, headdim=4, dstate=3, chunk_size=64, dtype="float16",
+                    regime=Regime(decay="strong")), config=1),
+        # once failed: the conv1d accumulated in fp16 (grad.A 1.06x its budget)
+        Pinned(Case(entry="split_conv1d", batch=2, seqlen=12, nheads=3, headdim=3, ngroups=3, dstate=3, chunk_size=4,
+                    dtype="float16", dt_limit=(0.0, 1.0), conv_width=2, activation="identity", out_dim=6,
+                    outproj_bias=True, return_final_states=False, pass_="backward", seed=2920,
+                    regime=Regime(dt_large=True, values="integer", scale=0.25, layout="strided")), config=1),
+        # once failed: ds rounded to fp16 in the ddA product (grad.A 1.21x its budget)
+        Pinned(Case(entry="split_conv1d", seqlen=6, nheads=2, headdim=1, dstate=1, chunk_size=8, dtype="float16",
+                    dt_limit=(0.0, 0.05), segments=((1, 5),), return_final_states=False, conv_width=1,
+                    regime=Regime(dt_large=True), pass_="backward", seed=36743), config=0),
+        Pinned(Case(entry="split_conv1d", batch=2, seqlen=13, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=4,
+                    rmsnorm=True, norm_before_gate=False, d_nonssm=3, out_dim=5, outproj_bias=True,
+                    initial_states=True, segments=((6, 7), (13,)), pass_="backward", final_state_grad=True),
+                    config=2),
+    ),
+    stages=True,
+)
 
 
 class SsdiffTriton(Implementation):
     name = "ssdiff.triton"
     description = "ssdiff's own Triton SSD kernels (kernels/ssd): every feature, fwd+bwd, native groups"
+    testing = TESTING
 
     @property
     def capabilities(self) -> Capabilities:

@@ -22,6 +22,7 @@ access and the `kernels` package; ssdiff does not fetch them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import contextlib
 from typing import Optional
@@ -31,8 +32,8 @@ import torch
 from ssdiff.model.case import Case
 from ssdiff.model.features import NEEDS_SEQ_IDX
 from ssdiff.sides.registry import register
-from ssdiff.sides.base import Capabilities, limit
-from ssdiff.sides.adapters.layer_loading import Construction, LayerImplementation
+from ssdiff.sides.base import Capabilities, Testing, limit
+from ssdiff.sides.adapters.layer_loading import LAYER, LAYER_PINNED, Construction, LayerImplementation
 
 MODULE = "transformers.models.mamba2.modeling_mamba2"
 
@@ -75,6 +76,10 @@ class Mamba2Mixer(LayerImplementation):
     capabilities = Capabilities(entries=frozenset({"layer"}),
                                 unsupported=NEEDS_SEQ_IDX | {"d_nonssm", "D_channel"},
                                 limits=(always_normed, gate_first), stages=("in_proj", "normed"))
+    # the layer's own cases alone (torch, fast anywhere), two per pass and dtype: a property's first example is
+    # hypothesis's simplest case
+    testing = Testing(domains=(dataclasses.replace(LAYER, examples=(2, 2), native_examples=(2, 2)),),
+                      pinned=LAYER_PINNED)
 
     def unavailable(self) -> Optional[str]:
         if importlib.util.find_spec("transformers") is None:

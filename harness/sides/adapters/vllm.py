@@ -21,6 +21,7 @@ states, a state cache with final_state_indices, computed tokens).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -32,7 +33,7 @@ from ssdiff.model.case import Case
 from ssdiff.sides.chunk_metadata import ChunkMetadata, chunk_metadata
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.sides.registry import register
-from ssdiff.sides.base import Capabilities, Implementation, limit
+from ssdiff.sides.base import UPSTREAM, Capabilities, Implementation, Testing, limit
 from ssdiff.sides.adapters.mamba_ssm import unclamped_dt
 
 
@@ -112,6 +113,9 @@ class VllmImplementation(Implementation):
     """Common ground: the release, availability, dtype gating."""
 
     needs = ""
+    # the upstream adapters' cases, more of them (a serving kernel's forward is all there is to check); no pinned
+    # every-feature cases (test_vllm's every-feature property has its own)
+    testing = Testing(domains=(dataclasses.replace(UPSTREAM, examples=(10, 10), native_examples=(20, 20)),), pinned=())
 
     @property
     def release(self) -> upstream_vllm.VllmRelease:
