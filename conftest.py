@@ -32,7 +32,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 # Natively the dev profile draws the same examples every run: each drawn shape compiles every kernel it launches
 # (seconds each; a warm case is judged in a tenth of a second), and the same draws find them in a kept Triton
 # cache (TRITON_CACHE_DIR). The gpu and nightly profiles search afresh every run; natively their properties draw
-# from a few compile keys per run (properties/pooled.py).
+# from a few compile keys per run (ssdiff.testing).
 settings.register_profile("dev", max_examples=20, derandomize=not runtime.interpreted(), **_common)
 settings.register_profile("ci", max_examples=50, derandomize=True, database=None, print_blob=True, **_common)
 settings.register_profile("gpu", max_examples=200, print_blob=True, **_common)
@@ -50,14 +50,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # One seed for the run's compile keys (properties/pooled.py) in every xdist worker: they inherit it from here.
+    # One seed for the run's compile keys (ssdiff.testing) in every xdist worker: they inherit it from here.
     os.environ.setdefault("SSDIFF_POOL_SEED", str(random.SystemRandom().randrange(2 ** 31)))
 
 
 def pytest_report_header(config):
-    from properties import pooled
+    from ssdiff import testing      # here, not at the top: its SEED reads SSDIFF_POOL_SEED, set in pytest_configure
 
-    keys = f", cases from compile keys (SSDIFF_POOL_SEED={pooled.SEED})" if pooled.pooled() else ""
+    keys = f", cases from compile keys (SSDIFF_POOL_SEED={testing.SEED})" if testing.pooled() else ""
     return (f"ssdiff: hypothesis profile {settings._current_profile}, device {_device(config)}, "
             f"triton interpreter {'on' if runtime.interpreted() else 'off'}{keys}")
 

@@ -6,9 +6,9 @@ What this file checks:
 - the oracle side: the prefill state is ref.recurrent's state after the prefill (to the state dtype's rounding),
   the three evaluation orders agree on the decoded tokens and the final state, and decoding every token equals
   the chunk scan's output;
-- the healthy float32 step double and mamba_ssm's selective_state_update are within budget on generated decode
-  cases (the features a call cannot express switched off when drawn; cases a known defect explains left out:
-  test_upstream.py's registry test pins them);
+- the healthy float32 step double is within budget on generated decode cases (the step kernels, mamba_ssm's and
+  vLLM's selective_state_update, are checked against the oracle by the generic property, test_implementations.py,
+  through their testing records: DECODE in harness/sides/adapters/mamba_ssm.py);
 - each planted step bug (the state not decayed before the update; a group read by the wrong heads) is found by a
   short fuzz campaign and localized to the decoded tokens: the failing outputs are y and/or the final state, and
   a group bug sits on the misgrouped heads.
@@ -18,8 +18,6 @@ Divergence has one definition: harness/verdict/judge.py's `judge` through ssdiff
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 from hypothesis import assume, example, given, note
@@ -28,21 +26,15 @@ from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
-from ssdiff.registry import known  # noqa: E402
 from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
-from ssdiff.sides.registry import get  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.model.dtypes import TORCH_DTYPES, UNIT_ROUNDOFF  # noqa: E402
-from ssdiff.sides.base import fit_case  # noqa: E402
 from ssdiff.truth import evaluate, recurrent  # noqa: E402
 from ssdiff.model.strategies import Bounds, cases  # noqa: E402
-from properties import pooled  # noqa: E402
-from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
-from properties.test_upstream import ONE_CONFIG  # noqa: E402
+from ssdiff.testing import ONE_CONFIG, RTOL, assert_close, oracles_agree  # noqa: E402
 
-STEP = "mamba_ssm.selective_state_update"
 DTYPES = tuple(runtime.runnable_dtypes())
 # Each decode step is one kernel launch (batch * nheads programs under the interpreter): small shapes there.
 BOUNDS = Bounds(max_batch=2, max_seqlen=12, max_nheads=4, max_headdim=6, max_dstate=8) if runtime.interpreted() \
@@ -134,33 +126,6 @@ def assert_within_budget(spec: str, case: Case, device: str):
               has_z=True, has_dt_bias=False, state_batch_indices=True, regime=Regime(decay="mild", scale=4.0)))
 def test_the_float32_step_double_is_within_budget(device, case):
     assert_within_budget("ssdiff.sides.doubles:step", case, device)
-
-
-def step_kernel_fit(case: Case, device: str) -> Optional[Case]:
-    """``case`` fitted to the step kernel, or None where it cannot run it or a known defect explains it (pinned by
-    test_upstream.py's registry test)."""
-    fitted = fit_case(case, [get(STEP)], device)
-    return fitted if fitted is not None and known.matching(STEP, fitted) is None else None
-
-
-def test_selective_state_update_is_within_budget(device):
-    why = get(STEP).unavailable()
-    if why:
-        pytest.skip(f"{STEP}: {why}")
-    # natively under the gpu and nightly profiles, from the run's compile keys (properties/pooled.py)
-    drawn = pooled.cases_here(STEP, ("decode",), DTYPES, None, BOUNDS, lambda c: step_kernel_fit(c, device))
-
-    @given(drawn)
-    @example(Case(entry="decode", batch=2, seqlen=9, nheads=4, ngroups=2, headdim=3, dstate=5, decode_steps=3,
-                  D="channel", has_z=True, initial_states=True, state_batch_indices=True))
-    @example(Case(entry="decode", batch=1, seqlen=4, nheads=3, ngroups=3, headdim=6, dstate=7, decode_steps=4,
-                  dtype="float16", state_dtype="float16", regime=Regime(decay="strong", dt_large=True)))
-    def within_budget(case):
-        fitted = step_kernel_fit(case, device)
-        assume(fitted is not None)
-        assert_within_budget(STEP, fitted, device)
-
-    within_budget()
 
 
 # ---- planted step bugs: found and localized to the decoded tokens ------------------------------------------

@@ -1,14 +1,17 @@
 """ssdiff's own Triton SSD kernels (kernels/ssd) against the float64 oracle.
 
 - every forward stage function run ON ITS OWN, fed the oracle's previous stages, against the oracle's stage;
-- the whole forward and forward+backward (every input's gradient, with and without a final-state gradient)
-  of ``ssd.triton`` over generated cases spanning every feature, both entry points;
+- (the whole forward, with its stages, and forward+backward, every input's gradient with and without a final-state
+  gradient, of ``ssdiff.triton`` over generated cases spanning every feature, both entry points, several tiles
+  inside a chunk, every autotune configuration: the generic property, test_implementations.py, through its testing
+  record in harness/sides/adapters/ssdiff_triton.py)
+- a rising decay, dt on a bound of its limit, and nothing read past the last token;
 - backward determinism (bitwise identical gradients on a rerun, under every autotune configuration);
 - the int64 in-chunk address path, forced, is bitwise the int32 one;
 - teeth: a corrupted result is caught.
 
-Every example runs under one autotune configuration index, drawn (``runtime.autotune(index)``: config
-``index % n`` of each kernel), so the configurations of every kernel are swept over the examples.
+Every example of the stage property runs under one autotune configuration index, drawn (``runtime.autotune(index)``:
+config ``index % n`` of each kernel), so the configurations of every kernel are swept over the examples.
 
 Judging: ssdiff.verdict.judge (the error budget is a multiple of what a same-precision model kernel,
 harness/budget/, naturally gets wrong on the same case — the largest error over its rounding samples —
@@ -27,7 +30,7 @@ import dataclasses
 import pytest
 
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ssdiff.budget.samples import evaluate_samples
@@ -39,8 +42,7 @@ from ssdiff.sides.adapters.ssdiff_triton import chunk_major_to_tokens
 from ssdiff.inputs import materialize
 from ssdiff.model.strategies import Bounds
 from ssdiff.verdict.judge import judge, judge_tensor
-from properties import pooled
-from properties.oracle_checks import dt_on_its_bounds
+from ssdiff.testing import cases_here, dt_on_its_bounds, runnable_by
 
 runtime.configure()
 
@@ -60,8 +62,8 @@ CONFIG_INDEX = st.integers(0, configs.max_configs() - 1)
 
 def kernel_cases(entry: str, bounds: Bounds, backward=None):
     """Cases of ``entry`` within ``bounds`` that the kernels run here (natively under the gpu and nightly
-    profiles, from the run's compile keys: properties/pooled.py)."""
-    return pooled.cases_here(IMPL, (entry,), DTYPES, backward, bounds, fit=pooled.runnable_by(get(IMPL)))
+    profiles, from the run's compile keys: ssdiff.testing `cases_here`)."""
+    return cases_here(IMPL, (entry,), DTYPES, backward, bounds, fit=runnable_by(get(IMPL)))
 
 
 def _settings(n):
@@ -150,67 +152,7 @@ def test_each_stage_alone_matches_the_oracle_stage(case, index, device):
     assert not bad, "\n".join(bad)
 
 
-# ---- the whole forward and backward ---------------------------------------------------------------------
-
-def _run_and_judge(case, index, device, want_stages=False):
-    impl = get(IMPL)
-    # A case outside the kernels' capabilities is rejected (Hypothesis draws another); pytest.skip here would
-    # skip the whole property on the first such draw.
-    assume(impl.skip_reason(case, device) is None)
-    inputs = materialize(case, device)
-    exact = truth.evaluate(case, inputs)
-    base = evaluate_samples(case, inputs, exact, truth.evaluate)
-    with runtime.autotune(index):
-        out = impl.run(case, inputs, want_stages=want_stages)
-    verdict = judge(IMPL, case, inputs, out, exact, base, stages=want_stages)
-    _assert_ok(verdict)
-    if want_stages:
-        bad = [t.message(IMPL) for t in verdict.tensors if t.kind == "stage" and not t.ok]
-        assert not bad, "\n".join(bad)
-    return out
-
-
-@_settings(20)
-@given(case=kernel_cases("chunk_scan", SMALL, backward=False), index=CONFIG_INDEX)
-@example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
-                   segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True, seq_idx_start=1,
-                   regime=Regime(decay="strong")), index=2)
-def test_forward_matches_the_oracle(case, index, device):
-    _run_and_judge(case, index, device, want_stages=True)
-
-
-@_settings(16)
-@given(case=kernel_cases("chunk_scan", SMALL, backward=True), index=CONFIG_INDEX)
-@example(case=Case(batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=5, chunk_size=4,
-                   segments=((5, 8, 8), (3, 10, 6)), padding=(0, 2), initial_states=True,
-                   regime=Regime(decay="strong"), pass_="backward", final_state_grad=True), index=0)
-@example(case=Case(batch=1, seqlen=40, nheads=4, ngroups=2, headdim=20, dstate=18, chunk_size=16, D="channel",
-                   has_z=True, initial_states=True, dt_limit=(0.01, 0.2), dtype="float16",
-                   regime=Regime(layout="strided"), pass_="backward", final_state_grad=True), index=1)
-@example(case=Case(batch=2, seqlen=22, nheads=2, headdim=1, ngroups=2, dstate=1, chunk_size=8, dtype="float16",
-                   has_z=True, dt_softplus=False, return_final_states=False,
-                   regime=Regime(scale=4.0, layout="strided"), pass_="backward", seed=190), index=0)
-def test_backward_matches_the_oracle(case, index, device):
-    """Gradients of x, dt, A, B, C, D, z, dt_bias, initial_states (and with a final-state gradient flowing in)."""
-    _run_and_judge(case, index, device)
-
-
-# Chunks of 32 and 64 tokens: several row and column tiles inside one chunk, so the tile-to-tile paths run
-# (tiles wholly below the diagonal, tiles that straddle it, the running row prefix of the dA gradient). The
-# SMALL chunks above fit in one tile of every configuration.
-MULTI_TILE = Bounds(max_batch=1, max_seqlen=80, max_nheads=2, max_headdim=4, max_dstate=4, chunk_sizes=(32, 64))
-
-
-@_settings(4)
-@given(case=kernel_cases("chunk_scan", MULTI_TILE), index=CONFIG_INDEX)
-@example(case=Case(batch=1, seqlen=70, nheads=2, ngroups=1, headdim=3, dstate=4, chunk_size=64, D="channel",
-                   segments=((20, 30, 20),), initial_states=True, regime=Regime(decay="mild"),
-                   pass_="backward", final_state_grad=True), index=1)
-@example(case=Case(batch=1, seqlen=80, nheads=2, ngroups=2, headdim=4, dstate=3, chunk_size=64, dtype="float16",
-                   regime=Regime(decay="strong")), index=1)
-def test_several_tiles_inside_a_chunk(case, index, device):
-    _run_and_judge(case, index, device, want_stages=not case.backward)
-
+# ---- what generated cases do not reach ----------------------------------------------------------------
 
 @pytest.mark.parametrize("pass_", ["forward", "backward"])
 def test_a_rising_decay_is_computed_exactly(pass_, device):
@@ -275,26 +217,6 @@ def test_nothing_reads_the_dA_cumsum_past_the_last_token(entry, device, monkeypa
         assert torch.equal(plain.outputs[name], shifted.outputs[name]), name
     for name in plain.grads:
         assert torch.equal(plain.grads[name], shifted.grads[name]), f"grad.{name}"
-
-
-@_settings(8)
-@given(case=kernel_cases("split_conv1d", Bounds(max_batch=2, max_seqlen=16, max_nheads=4, max_headdim=4, max_dstate=4,
-                                              chunk_sizes=(4, 8))),
-       index=CONFIG_INDEX)
-@example(case=Case(entry="split_conv1d", batch=2, seqlen=12, nheads=3, headdim=3, ngroups=3, dstate=3, chunk_size=4,
-                   dtype="float16", dt_limit=(0.0, 1.0), conv_width=2, activation="identity", out_dim=6,
-                   outproj_bias=True, return_final_states=False, pass_="backward", seed=2920,
-                   regime=Regime(dt_large=True, values="integer", scale=0.25, layout="strided")),
-         index=1)   # once failed: the conv1d accumulated in fp16 (grad.A 1.06x its budget)
-@example(case=Case(entry="split_conv1d", seqlen=6, nheads=2, headdim=1, dstate=1, chunk_size=8, dtype="float16",
-                   dt_limit=(0.0, 0.05), segments=((1, 5),), return_final_states=False, conv_width=1,
-                   regime=Regime(dt_large=True), pass_="backward", seed=36743),
-         index=0)   # once failed: ds rounded to fp16 in the ddA product (grad.A 1.21x its budget)
-@example(case=Case(entry="split_conv1d", batch=2, seqlen=13, nheads=4, ngroups=2, headdim=4, dstate=4, chunk_size=4,
-                   rmsnorm=True, norm_before_gate=False, d_nonssm=3, out_dim=5, outproj_bias=True,
-                   initial_states=True, segments=((6, 7), (13,)), pass_="backward", final_state_grad=True), index=2)
-def test_mixer_matches_the_oracle(case, index, device):
-    _run_and_judge(case, index, device, want_stages=not case.backward)
 
 
 # ---- determinism ----------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ What this file checks:
   layer case round-trips through JSON, while cases of other entries load as before;
 - the oracle side: the three evaluation orders agree on the layer, and the layer oracle is the mixer oracle on
   in_proj's output (so the mixer's checks carry over);
-- the healthy float32 layer double is within budget, and every layer implementation that runs here is within
-  budget on generated layer cases (the features it cannot express switched off; cases a known defect explains
-  left out: test_upstream.py's registry test pins them);
+- the healthy float32 layer double is within budget (every layer implementation is checked against the oracle by
+  the generic property, test_implementations.py, through its testing record: LAYER in
+  harness/sides/adapters/layer_loading.py);
 - decoding (layer_steps: a prefill through forward() with an inference cache, then one token per step()) gives
   the layer's output for the same tokens, judged like it (mamba_ssm's Mamba2; the other layers' decoding is not
   driven);
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 
 from ssdiff import runtime
 
 runtime.configure()                     # before any kernel module is imported
 
 from ssdiff import truth  # noqa: E402
-from ssdiff.registry import known
 from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
@@ -37,8 +36,7 @@ from ssdiff.sides.registry import all_implementations, get  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.sides.base import fit_case  # noqa: E402
 from ssdiff.model.strategies import Bounds, cases  # noqa: E402
-from properties.oracle_checks import RTOL, assert_close, oracles_agree  # noqa: E402
-from properties.test_upstream import ONE_CONFIG  # noqa: E402
+from ssdiff.testing import ONE_CONFIG, RTOL, assert_close, oracles_agree  # noqa: E402
 
 DTYPES = tuple(runtime.runnable_dtypes())
 # A layer runs in_proj, the conv, five SSD kernels, the norm and out_proj: small shapes under the interpreter.
@@ -120,35 +118,6 @@ def assert_within_budget(spec: str, case: Case, device: str):
               d_nonssm=2, D="channel", rmsnorm=True, bias=True, pass_="backward", regime=Regime(decay="strong")))
 def test_the_float32_layer_double_is_within_budget(device, case):
     assert_within_budget("ssdiff.sides.doubles:layer", case, device)
-
-
-def fitted_to(spec: str, case: Case, device: str) -> Case:
-    impl = get(spec)
-    why = impl.unavailable() or impl.refuses(case.backward, device, case.dtype)
-    if why:
-        pytest.skip(f"{spec}: {why}")
-    fitted = fit_case(case, [impl], device)
-    assume(fitted is not None)
-    assume(known.matching(spec, fitted) is None)         # pinned by test_upstream.py's registry test
-    return fitted
-
-
-@pytest.mark.parametrize("spec", LAYERS)
-def test_every_layer_implementation_is_within_budget(spec, device):
-    @settings(max_examples=4, deadline=None)
-    @given(layer_cases())
-    @example(Case(**LAYER, batch=2, seqlen=9, nheads=4, ngroups=1, headdim=4, dstate=4, chunk_size=4, d_model=8,
-                  rmsnorm=True, bias=True, pass_="backward"))
-    @example(Case(**LAYER, batch=2, seqlen=7, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=4, d_model=4,
-                  d_nonssm=8, rmsnorm=True, layer_steps=3, dtype=DTYPES[-1]))
-    # one token through a norm over one group: y is x scaled, the norm undoes the scale, and the gradient of D is
-    # the eps term alone (1e-4) — within budget only because the model stores the scan output the norm reads
-    @example(Case(**LAYER, seqlen=1, nheads=1, headdim=6, dstate=1, chunk_size=4, conv_width=1, d_model=1,
-                  conv_bias=False, rmsnorm=True, dtype=DTYPES[-1], pass_="backward"))
-    def within_budget(case):
-        assert_within_budget(spec, fitted_to(spec, case, device), device)
-
-    within_budget()
 
 
 @pytest.mark.parametrize("spec", LAYERS)

@@ -16,7 +16,7 @@ from ssdiff.model.case import Case, Regime
 from ssdiff.examine import Examiner
 from ssdiff.sides.registry import get
 from ssdiff.model.strategies import Bounds, lengths_summing_to
-from properties import pooled
+from ssdiff.testing import cases_here, runnable_by
 
 SCANS = ["mamba_ssm.chunk_scan_combined", "ssdiff.triton", "vllm.chunk_scan_combined_varlen"]
 STEPS = [("mamba_ssm.chunk_scan_combined", "mamba_ssm.selective_state_update"),
@@ -62,11 +62,11 @@ def holds(relation_fn, *args, known_defect=None, **kw):
 
 def drawn(data, impl, entry: str, bounds: Bounds, where, dtypes=None) -> Case:
     """A forward ``entry`` case that ``impl`` runs, in the dtypes it runs here (or ``dtypes``); natively under the
-    gpu and nightly profiles, from the run's compile keys (properties/pooled.py), each fitted to ``where(case)``
+    gpu and nightly profiles, from the run's compile keys (ssdiff.testing `cases_here`), each fitted to ``where(case)``
     so that no key holds only cases a property assumes away."""
-    runs = pooled.runnable_by(impl)
+    runs = runnable_by(impl)
     fit = lambda case: case if runs(case) is not None and where(case) else None      # noqa: E731
-    return data.draw(pooled.cases_here(impl.name, (entry,), dtypes or dtypes_of(impl), False, bounds, fit=fit))
+    return data.draw(cases_here(impl.name, (entry,), dtypes or dtypes_of(impl), False, bounds, fit=fit))
 
 
 def scan_case(data, impl, dtypes=None) -> Case:

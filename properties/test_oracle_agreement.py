@@ -6,7 +6,7 @@ from hypothesis import example, given
 
 from ssdiff.model.case import Case, Regime
 from ssdiff.model.strategies import cases
-from properties.oracle_checks import dt_on_its_bounds, oracles_agree
+from ssdiff.testing import dt_on_its_bounds, oracles_agree
 
 
 @given(cases(dtypes=("float32", "float16", "bfloat16")))

@@ -4,7 +4,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from ssdiff.model.strategies import Bounds, cases
-from properties import oracle_checks as laws
+from ssdiff import testing as laws
 
 CHUNK_SIZES = (4, 8, 16, 32)
 

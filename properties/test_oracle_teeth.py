@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from ssdiff.truth import chunked, recurrent
 from ssdiff.model.strategies import cases
-from properties import oracle_checks
+from ssdiff import testing
 
 SEARCH = settings(max_examples=200, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
@@ -53,25 +53,25 @@ def clamp_then_softplus(dt_t, dt_bias, dt_softplus, dt_limit):
 
 def test_group_index_bug_is_caught(monkeypatch, device):
     monkeypatch.setattr(recurrent, "group_of_head", group_by_modulo)
-    message = caught(oracle_checks.oracles_agree, cases(entry="chunk_scan", backward=False), device)
+    message = caught(testing.oracles_agree, cases(entry="chunk_scan", backward=False), device)
     assert "ref.quadratic" in message or "ref.chunked" in message
 
 
 def test_missing_state_reset_is_caught_by_agreement(monkeypatch, device):
     monkeypatch.setattr(recurrent, "starts_new_sequence", never_reset)
-    caught(oracle_checks.oracles_agree, cases(backward=False), device)
+    caught(testing.oracles_agree, cases(backward=False), device)
 
 
 def test_missing_state_reset_is_caught_by_packed_vs_separate(monkeypatch, device):
     monkeypatch.setattr(recurrent, "starts_new_sequence", never_reset)
-    message = caught(oracle_checks.packed_equals_separate,
+    message = caught(testing.packed_equals_separate,
                      cases(backward=False).filter(lambda c: c.segments is not None), device)
     assert "ref.recurrent" in message
 
 
 def test_dt_limit_before_softplus_is_caught(monkeypatch, device):
     monkeypatch.setattr(recurrent, "process_dt", clamp_then_softplus)
-    caught(oracle_checks.oracles_agree, cases(backward=False), device)
+    caught(testing.oracles_agree, cases(backward=False), device)
 
 
 def test_dt_limit_before_softplus_in_the_chunked_oracle_is_caught(monkeypatch, device):
@@ -79,5 +79,5 @@ def test_dt_limit_before_softplus_in_the_chunked_oracle_is_caught(monkeypatch, d
         return clamp_then_softplus(dt, dt_bias, dt_softplus, dt_limit)
 
     monkeypatch.setattr(chunked, "process_dt", broken)
-    message = caught(oracle_checks.oracles_agree, cases(backward=False), device)
+    message = caught(testing.oracles_agree, cases(backward=False), device)
     assert "ref.chunked" in message

@@ -27,7 +27,7 @@ from ssdiff.truth import evaluate
 from ssdiff.model.strategies import Bounds, cases
 from ssdiff.verdict.judge import FACTOR, cells, disagreement, element_budget, judge, judge_tensor
 from ssdiff.model.dtypes import UNIT_ROUNDOFF
-from properties.test_upstream import usable
+from ssdiff.testing import usable
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=4, max_dstate=4, chunk_sizes=(4, 8))
 
@@ -453,7 +453,7 @@ def test_float16_subnormal_gradients_are_in_the_layer_budget(device):
     assert_within_budget("fla.mamba2_torch", SUBNORMAL_CASE, device)
 
 
-# Found natively (H200, the dev profile's test_upstream_matches_oracle[fla.mamba2_torch-backward-bfloat16]): the
+# Found natively (H200, the dev profile's generic property on fla.mamba2_torch, backward, bfloat16): the
 # gradients of conv1d_weight, dt_bias and D were 1.16-1.21x their budget, with relative RMS errors 4-5x the
 # baseline's. fla's torch_forward runs torch's conv1d in the case dtype and then the activation: the conv output is
 # stored before silu, whose slope magnifies that rounding for negative inputs. The same layer in float16 (below,

@@ -5,7 +5,8 @@ What this file checks:
 - the chunk-metadata builder (harness/sides/chunk_metadata.py) agrees with vLLM's own on random batches (computed
   tokens and empty requests included) and refuses bad input with one line naming it;
 - vllm.chunk_scan_combined_varlen, vllm.chunked_prefill and vllm.selective_state_update agree with the oracle on
-  generated cases within their capabilities, under a drawn autotune config;
+  generated cases within their capabilities, under a drawn autotune config (the generic property,
+  test_implementations.py, through their testing record: harness/sides/adapters/vllm.py), and on every feature at once;
 - chunked prefill with carried states equals one prefill (judged against the oracle of the whole case);
 - the intermediate (prefix-cache) states equal the oracle's state at each logical chunk end;
 - a sequence's outputs do not depend on its neighbours in the pack, an empty neighbour included (bitwise, under
@@ -42,15 +43,14 @@ from ssdiff.sides import upstream_vllm  # noqa: E402
 from ssdiff.sides.adapters import serving
 from ssdiff.model.case import Case, Regime  # noqa: E402
 from ssdiff.sides.chunk_metadata import ChunkMetadataError, chunk_metadata  # noqa: E402
-from ssdiff.model.evaluation import Evaluation  # noqa: E402
 from ssdiff.examine import Examiner  # noqa: E402
 from ssdiff.investigate.serving import prefix_state_verdicts  # noqa: E402
 from ssdiff.sides.registry import get, register  # noqa: E402
 from ssdiff.sides.adapters.vllm import ChunkScanCombinedVarlen, pack, run_varlen  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.model.strategies import Bounds  # noqa: E402
-from properties.test_upstream import (CONFIGS, SETTINGS, agrees_with_oracle, assert_agrees, cases_for,  # noqa: E402
-                                      examples, replay, usable)
+from ssdiff.testing import (CONFIGS, SETTINGS, agrees_with_oracle, cases_for, examples, replay,  # noqa: E402
+                            usable)
 
 REPO = Path(__file__).resolve().parents[1]
 PREFILL = "vllm.chunk_scan_combined_varlen"
@@ -113,20 +113,6 @@ def test_chunk_metadata_refuses_bad_input_with_one_line(args, words):
 
 
 # ---- against the oracle ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", [PREFILL, CHUNKED, STEP])
-def test_vllm_matches_oracle(name, dtype, device):
-    impl = usable(name, dtype, False, device)
-    examiner = Examiner([impl.name], device)
-
-    @settings(max_examples=examples(cpu=10, gpu=20), **SETTINGS)
-    @given(case=cases_for(impl, dtype, False, device), config=CONFIGS)
-    def agrees(case, config):
-        agrees_with_oracle(examiner, case, config)
-
-    agrees()
-
 
 # Every feature the prefill can express at once: three sequences in two rows, a boundary on a chunk boundary,
 # initial states, per-channel D, z, dt_limit, strided inputs (the pack is a view of them), a ragged last chunk.
