@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -55,6 +56,29 @@ def test_healthy_float32_implementations_are_within_budget(case, device):
     verdict = judge(impl.name, case, inputs, impl.run(case, inputs, want_stages=True), truth, bases, stages=True)
     assert verdict.ok, verdict.message()
     assert all(t.ok for t in verdict.tensors), [t.name for t in verdict.tensors if not t.ok]
+
+
+HEALTHY_CASES = {"chunk_scan": Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=4, has_z=True),
+                 "split_conv1d": Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, rmsnorm=True),
+                 "layer": Case(entry="layer", seqlen=5, nheads=2, headdim=4, dstate=4, chunk_size=4, d_model=8,
+                               return_final_states=False, rmsnorm=True, rmsnorm_eps=1e-5, norm_before_gate=False)}
+
+
+@pytest.mark.parametrize("impl", [doubles.healthy, doubles.mixer, doubles.layer], ids=lambda impl: impl.name)
+def test_the_healthy_doubles_compute_with_none_of_the_budgets_model(impl, device):
+    """The budget is a multiple of what the budget's model (harness/budget/) gets wrong on the case: a healthy
+    double that computed with that model would be measured against itself, within budget by construction in
+    float32. They call none of its code (each its entry's case forward, every function called recorded)."""
+    case = HEALTHY_CASES[next(iter(impl.capabilities.entries))]
+    inputs = materialize(case, device)
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_globals.get("__name__")) if event == "call" else None)
+    try:
+        impl.run(case, inputs, want_stages=True)
+    finally:
+        sys.setprofile(None)
+    assert "ssdiff.sides.doubles" in called
+    assert not {m for m in called if m and m.startswith("ssdiff.budget")}, sorted(called)
 
 
 @pytest.mark.parametrize("other", ["ref.quadratic", "ref.recurrent"])
