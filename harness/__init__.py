@@ -24,7 +24,7 @@ runtime.configure()
 # public name -> the module that defines it
 _WHERE = {
     "Case": "ssdiff.model.case", "CaseError": "ssdiff.model.case", "Regime": "ssdiff.model.case",
-    "Bounds": "ssdiff.model.strategies", "cases": "ssdiff.model.strategies",
+    "Bounds": "ssdiff.model.bounds", "cases": "ssdiff.model.strategies",
     "Implementation": "ssdiff.sides.base", "Capabilities": "ssdiff.sides.base", "register": "ssdiff.sides.registry",
     "UsageError": "ssdiff.examine",
     "Divergence": "ssdiff.api", "check": "ssdiff.api", "fuzz": "ssdiff.api", "minimize": "ssdiff.api",

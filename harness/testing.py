@@ -48,7 +48,8 @@ runtime.configure()                     # before any kernel module is imported
 
 from ssdiff.model.case import Case  # noqa: E402
 from ssdiff.model.features import without  # noqa: E402
-from ssdiff.model.strategies import Bounds, cases  # noqa: E402
+from ssdiff.model.bounds import Bounds  # noqa: E402
+from ssdiff.model.strategies import cases  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.truth import ORACLES, call, evaluate  # noqa: E402
 from ssdiff.verdict.judge import Verdict  # noqa: E402

@@ -18,7 +18,8 @@ from ssdiff.examine import Examiner
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
 from ssdiff.sides.registry import get
 from ssdiff.campaign.pool import FLAGS, KINDS, CompileKey, Mix, Pool, Production, flags_of, seqlen_class
-from ssdiff.model.strategies import Bounds, cases, maybe_boundary
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import cases, maybe_boundary
 
 TILING_BUG = "ssdiff.sides.doubles:tiling_bug"
 

@@ -32,7 +32,8 @@ from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.model.dtypes import TORCH_DTYPES, UNIT_ROUNDOFF  # noqa: E402
 from ssdiff.truth import evaluate, recurrent  # noqa: E402
-from ssdiff.model.strategies import Bounds, cases  # noqa: E402
+from ssdiff.model.bounds import Bounds  # noqa: E402
+from ssdiff.model.strategies import cases  # noqa: E402
 from ssdiff.testing import ONE_CONFIG, RTOL, assert_close, oracles_agree  # noqa: E402
 
 DTYPES = tuple(runtime.runnable_dtypes())

@@ -11,7 +11,7 @@ from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer, UsageError
 from ssdiff.inputs import materialize
 from ssdiff.truth import evaluate
 from ssdiff.campaign.pool import Mix, Pool
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.runtime import DeviceOutOfMemory
 
 # every feature of the chunk_scan entry that a slice has to carry: groups, D per channel, z, dt_bias, initial

@@ -40,7 +40,7 @@ from ssdiff.model.case import Case, Regime
 from ssdiff.sides.registry import get
 from ssdiff.sides.adapters.ssdiff_triton import chunk_major_to_tokens
 from ssdiff.inputs import materialize
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.verdict.judge import judge, judge_tensor
 from ssdiff.testing import cases_here, dt_on_its_bounds, runnable_by
 

@@ -3,7 +3,7 @@ every kernel runs on every case, forward and backward, both entry points, fp32 a
 On the device under test (``--device``; the interpreter on a CPU)."""
 
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 
 SMALL = Bounds(max_batch=2, max_seqlen=24, max_nheads=4, max_headdim=8, max_dstate=8, chunk_sizes=(8, 16))
 

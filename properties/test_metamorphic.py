@@ -20,7 +20,8 @@ from ssdiff.model.case import Case, Regime
 from ssdiff.examine import Examiner
 from ssdiff.sides.registry import get
 from ssdiff.inputs import materialize
-from ssdiff.model.strategies import Bounds, lengths_summing_to
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import lengths_summing_to
 from ssdiff.testing import cases_here, runnable_by
 
 SCANS = ["mamba_ssm.chunk_scan_combined", "ssdiff.triton", "vllm.chunk_scan_combined_varlen"]

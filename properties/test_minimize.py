@@ -24,7 +24,7 @@ from ssdiff.examine import Examiner, failing_tensors
 from ssdiff.investigate.localize import stages
 from ssdiff.investigate.minimize import minimize
 from ssdiff.verdict.judge import judge
-from properties.test_upstream import usable
+from ssdiff.testing import usable
 
 SEED_PAIR = ("mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref")
 SEED_START = Case(entry="split_conv1d", batch=2, seqlen=24, nheads=4, ngroups=2, headdim=8, dstate=8, chunk_size=16,

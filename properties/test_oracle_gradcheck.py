@@ -6,7 +6,8 @@ from hypothesis import given
 
 from ssdiff.inputs import materialize
 from ssdiff.truth import call
-from ssdiff.model.strategies import Bounds, cases
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import cases
 
 TINY = Bounds(max_batch=2, max_seqlen=6, max_nheads=2, max_headdim=2, max_dstate=2, chunk_sizes=(2, 4), max_width=2)
 

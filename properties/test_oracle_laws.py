@@ -3,7 +3,8 @@
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ssdiff.model.strategies import Bounds, cases
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import cases
 from ssdiff import testing as laws
 
 CHUNK_SIZES = (4, 8, 16, 32)

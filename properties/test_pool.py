@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ssdiff.campaign import pool
 from ssdiff.campaign.pool import Mix, Pool, feature_pairs
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 
 BOUNDS = Bounds(max_batch=2, max_seqlen=300, max_nheads=12, max_headdim=64, max_dstate=64,
                 chunk_sizes=(16, 32, 64, 128, 256))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ssdiff.sides import tiling
 from ssdiff.sides.registry import get
 from ssdiff.campaign.precompile import Compiler
-from properties.test_upstream import usable
+from ssdiff.testing import usable
 
 COMBINED, REF = "mamba_ssm.split_conv1d_combined", "mamba_ssm.split_conv1d_ref"
 

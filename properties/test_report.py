@@ -32,7 +32,7 @@ from ssdiff.sides import upstream
 from ssdiff.model.case import Case
 from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
 from ssdiff.report import browser, render
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Where the screenshot is kept: $SSDIFF_ARTIFACTS (a CI job publishing it), else the test's own temporary folder

@@ -25,7 +25,8 @@ from ssdiff.model.evaluation import Evaluation
 from ssdiff.inputs import materialize
 from ssdiff.sides.base import fit_case
 from ssdiff.truth import evaluate
-from ssdiff.model.strategies import Bounds, cases
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import cases
 from ssdiff.verdict.judge import FACTOR, cells, disagreement, element_budget, judge, judge_tensor
 from ssdiff.model.dtypes import UNIT_ROUNDOFF
 from ssdiff.testing import usable

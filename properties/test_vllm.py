@@ -48,7 +48,7 @@ from ssdiff.investigate.serving import prefix_state_verdicts  # noqa: E402
 from ssdiff.sides.registry import get, register  # noqa: E402
 from ssdiff.sides.adapters.vllm import ChunkScanCombinedVarlen, pack, run_varlen  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
-from ssdiff.model.strategies import Bounds  # noqa: E402
+from ssdiff.model.bounds import Bounds  # noqa: E402
 from ssdiff.testing import (CONFIGS, SETTINGS, agrees_with_oracle, cases_for, examples, replay,  # noqa: E402
                             usable)
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ssdiff.inputs.huge import Huge
-from ssdiff.model.strategies import Bounds, divisors
+from ssdiff.model.bounds import Bounds
+from ssdiff.model.strategies import divisors
 from ssdiff.sides.tiling import Boundary
 
 KINDS = ("small", "production", "boundary", "huge")

@@ -23,7 +23,7 @@ import torch
 from ssdiff.model.case import Case, CaseError, Regime
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
 from ssdiff.model.features import FEATURES, present, without
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.inputs import Inputs
 
 

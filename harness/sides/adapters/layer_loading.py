@@ -23,7 +23,7 @@ from torch import nn
 
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.sides.base import UPSTREAM, Domain, Implementation, Pinned, Testing
 from ssdiff.inputs import Inputs
 

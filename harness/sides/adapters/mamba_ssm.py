@@ -36,7 +36,7 @@ from ssdiff.model.case import Case, Regime
 from ssdiff.model.features import NEEDS_SEQ_IDX
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.sides.base import (PURE_TORCH, UPSTREAM, Capabilities, Domain, Implementation, Pinned, Testing,
                                limit)
 

@@ -17,7 +17,7 @@ from ssdiff import runtime
 from ssdiff.model.case import Case, Regime
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
-from ssdiff.model.strategies import Bounds
+from ssdiff.model.bounds import Bounds
 from ssdiff.sides.base import Capabilities, Domain, Implementation, Pinned, Testing
 from ssdiff.inputs import Inputs
 from ssdiff.kernels.ssd import configs as kernel_configs
