@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
-from ssdiff.campaign import jobs
+from ssdiff import exits as status
 from ssdiff import store
+from ssdiff.campaign import jobs
 from ssdiff.cli import main
 
 
@@ -79,3 +81,73 @@ def test_jobs_find_a_planted_bug_stop_each_other_and_write_one_run(tmp_path, dev
     assert "divergence found" in {p["stopped"] for p in parts}
     assert all(p["stopped"] in ("divergence found", "interrupted") or "budget" in p["stopped"] for p in parts)
     assert "divergence 1 (job" in capsys.readouterr().out
+
+
+class _Shard:
+    """A stand-in for a job (jobs.Job's interface): ``hangs`` never ends until killed, else it ends at once with
+    status 0 (its summary written by the test)."""
+
+    def __init__(self, index, folder, hangs):
+        self.index, self.folder, self.hangs = index, folder, hangs
+        self.name, self.where, self.fault = f"job {index}", {}, None
+        self.code, self.ended, self.signals = None, False, []
+        self.state = {"tried": 2, "skipped": 0, "elapsed": 1.0, "worst": {}, "divergences": 0, "last": f"case {index}"}
+
+    def update(self):
+        if not self.hangs:
+            self.code, self.ended = 0, True
+
+    def stop(self):
+        self.signals.append("SIGINT")
+
+    def kill(self):
+        self.signals.append("SIGKILL")
+        self.code, self.ended = -9, True
+
+    def finish(self):
+        pass
+
+
+def test_a_silent_job_is_hung_interrupted_twice_then_killed_and_costs_only_its_shard(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(jobs, "HANG_GRACE_S", 0.5)
+    monkeypatch.setattr(jobs, "STOP_GRACE_S", 0.3)
+    shards = [_Shard(0, _job(tmp_path, 0, 0.2, [], 0), False), _Shard(1, tmp_path / "job-1", True)]
+    (tmp_path / "job-1").mkdir()
+    args = argparse.Namespace(keep_going=False, max_time=1.0, post_time=0.1, no_report=True, impl="x")
+    from rich.console import Console
+
+    code = jobs.drive(shards, args, tmp_path, 3, Console(), Console(stderr=True))
+    assert code == status.JOB_DIED
+    assert shards[1].signals == ["SIGINT", "SIGINT", "SIGKILL"] and shards[0].signals == []
+    summary = json.loads((tmp_path / store.SUMMARY).read_text())
+    assert summary["cases_tried"] == 10                      # job 0's, all of them
+    assert summary["jobs"][1]["fault"].startswith("hung") and summary["jobs"][1]["last_case"] == "case 1"
+    assert "fault" not in summary["jobs"][0]
+    assert "job 1 hung" in capsys.readouterr().err
+
+
+def test_job_folders_left_by_a_lost_driver_merge_afterwards(tmp_path):
+    (tmp_path / "job-0").mkdir()                           # a job killed with its driver: no summary
+    d = _job(tmp_path, 1, 0.7, ["a", "b"], 0)
+    store.write_summary(d, dict(json.loads((d / store.SUMMARY).read_text()), seed=8 + jobs.SEED_STRIDE))
+    merged = jobs.merge_afterwards(tmp_path)
+    assert json.loads((tmp_path / store.SUMMARY).read_text())["cases_tried"] == merged["cases_tried"] == 11
+    assert merged["seed"] == 8 and [j["seed"] for j in merged["jobs"]] == [8, 8 + jobs.SEED_STRIDE]
+    assert [d["signature"] for d in merged["divergences"]] == ["a", "b"]
+    assert store.read_run(tmp_path)["divergences"][1]["message"] == "job 1 b"
+
+
+def test_a_folder_written_elsewhere_merges_from_its_job_folder(tmp_path):
+    d = _job(tmp_path, 0, 0.2, ["a"], 0)
+    summary = json.loads((d / store.SUMMARY).read_text())
+    summary["divergences"][0]["path"] = "/elsewhere/job-0/divergence-001"     # where a cluster worker wrote it
+    store.write_summary(d, summary)
+    merged = jobs.merge(tmp_path, [d], 1, 1.0, [0])
+    assert merged["divergences"][0]["path"] == str(tmp_path / "divergence-001")
+    assert (tmp_path / "divergence-001" / store.MESSAGE).read_text() == "job 0 a"
+
+
+def test_a_cluster_worker_gets_its_device_not_the_drivers():
+    argv = ["--impl", "x", "--device", "cuda", "--cluster", "auto", "--example-db", "db"]
+    assert jobs.job_argv(argv, 1, None, None, drop={"--device": 1}) == ["--impl", "x", "--example-db", "db", "--seed",
+                                                                       "1", "--no-report"]
