@@ -187,9 +187,14 @@ def cmd_fuzz(args) -> int:
         seed=getattr(args, "seed", None), localize=not getattr(args, "no_localize", False),
         minimize=not getattr(args, "no_minimize", False), bounds=bounds, pool=getattr(args, "pool", None),
         known=DEMO["known"] if demo else getattr(args, "known", "report"), huge=getattr(args, "huge", 0.0),
-        oracle=getattr(args, "oracle", None) or "ref.chunked", post_time=getattr(args, "post_time", None))
+        oracle=getattr(args, "oracle", None) or "ref.chunked", post_time=getattr(args, "post_time", None),
+        example_db=getattr(args, "example_db", None))
     if getattr(args, "no_report", False):
         config.report_dir = None
+    if getattr(args, "cluster", None):
+        from ssdiff.campaign import cluster
+
+        return cluster.run(args, args.argv[1:], console, Console(stderr=True))
     if getattr(args, "jobs", 1) > 1:
         from ssdiff.campaign import jobs
 
@@ -370,6 +375,15 @@ def _add_fuzz_arguments(p, demo: bool = False):
                    help="run the campaign as N processes side by side, each with its own seed and a share of the "
                         "example budget and compile workers, merged into one output (harness/campaign/jobs.py); exit 3 "
                         "when a job died without a divergence found")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS|auto|local[:N]",
+                   help="run those campaigns as workers of a Ray cluster, one GPU each (else one CPU, interpreted): "
+                        "at ADDRESS, the running one (auto), or one started here (local:N, N workers; elsewhere "
+                        "--jobs N of them, default one per GPU, else per CPU); one merged output, exit statuses as "
+                        "--jobs (harness/campaign/cluster.py; needs pip install 'ssdiff[cluster]')")
+    p.add_argument("--example-db", default=None, metavar="PATH|redis://...",
+                   help="a shared example database (a directory, or Redis): its divergent cases of these sides are "
+                        "judged first, before any new case, and each new divergence's case is saved there "
+                        "(default: none)")
     p.add_argument("--no-report", action="store_true", help="do not render the HTML report")
     p.add_argument("--no-localize", action="store_true", help="skip stage / coordinate / feature localization")
     p.add_argument("--no-minimize", action="store_true", help="do not minimize divergences (minimized.json, repro.py)")

@@ -80,6 +80,10 @@ class FuzzConfig:
     # POST_SHARE of max_time, at least POST_MIN_S, or POST_EXAMPLES_S with an example budget alone); what is left
     # unfinished then is saved as it stands and said to be partial.
     post_time: Optional[float] = None
+    # The shared example database (--example-db; harness/campaign/cluster.py): a directory, a redis:// URL or a
+    # Hypothesis ExampleDatabase. Its divergent cases of these sides are judged first, and each new divergence's case
+    # is saved there. None: none (the default).
+    example_db: Optional[object] = None
     # The HTML report goes to <report_dir>/<out_dir's name>/index.html (harness/report); None: no report.
     report_dir: Optional[str] = field(default_factory=lambda: os.environ.get("SSDIFF_REPORTS") or "reports")
 

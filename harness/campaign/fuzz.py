@@ -18,6 +18,9 @@ example budget. Cases outside an implementation's capabilities are
 first fitted (the features it cannot express switched off) and skipped, with the reason counted, when that is
 not enough.
 
+With a shared example database (``example_db``, harness/campaign/cluster.py) its divergent cases of these sides are
+judged before any new case, and each new divergence's case is saved there.
+
 The output directory is a saved run (harness/store.py); the HTML report goes to
 <report_dir>/<out_dir's name>/index.html (harness/report).
 """
@@ -73,6 +76,12 @@ class Fuzzer:
         self.impls = self.examiner.impls
         self.plan = plan(cfg, self.examiner)
         self.pool = self.plan.pool
+        # The shared example database (harness/campaign/cluster.py): its cases judged first, new divergences saved.
+        self.shared = None
+        if cfg.example_db is not None:
+            from ssdiff.campaign.cluster import SharedCases
+
+            self.shared = SharedCases(cfg.example_db, cfg.impl, cfg.against, cfg.oracle)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         self.out_dir = cfg.out_dir or os.path.join("ssdiff-out", f"fuzz-{stamp}")
         self.report = FuzzReport(config=cfg, out_dir=self.out_dir)
@@ -132,6 +141,8 @@ class Fuzzer:
                           found_after_s=self.budget.elapsed(), cases_before=self.report.tried - 1)
         self._signatures[sig] = finding
         self.report.findings.append(finding)
+        if self.shared is not None:
+            self.shared.save(outcome.case, outcome.choice)
         if self.report.first_divergence_s is None:
             self.report.first_divergence_s = finding.found_after_s
         finding.path = str(self._write(finding))
@@ -400,7 +411,9 @@ class Fuzzer:
                 pass
 
         try:
-            if self.pool is not None:
+            if self.shared is not None and self.shared.replay(self.plan, self.budget, self.judge):
+                stop_reason.append("divergence found")        # a stored case diverged again, before any new case
+            if self.pool is not None and not stop_reason:
                 # Every key and the next round's compiled ahead, not waited for: this process compiles what it
                 # needs before the workers have it (a cold cache) or loads it from disk (warm), and the workers'
                 # variants are on disk by the time it asks for them. Each key's representative case first.
