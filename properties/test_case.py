@@ -70,7 +70,7 @@ def test_cli_refuses_bad_case_files_with_one_line(tmp_path, text, message):
     path.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "ssdiff.cli", "case", str(path)], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("ssdiff: ") and message in proc.stderr
+    assert proc.stderr.strip().startswith(f"ssdiff case: {path}: ") and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
@@ -97,7 +97,7 @@ def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_t
     """Every value and cotangent of a case with tensors past _DRAW_BLOCK (drawn by counter_variates where the case
     lives, rounded to its dtype there) is bitwise the same drawn on ``device`` as on the CPU, and the same drawn
     twice."""
-    from ssdiff.inputs import _DRAW_BLOCK, draw
+    from ssdiff.inputs.drawing import _DRAW_BLOCK, draw
 
     case = Case(seqlen=257, nheads=16, headdim=64, dstate=2, chunk_size=64, has_z=True, pass_="backward",
                 dtype=dtype, regime=Regime(dt_large=True))
@@ -112,7 +112,7 @@ def test_a_case_past_the_draw_block_draws_the_same_numbers_on_the_device_as_on_t
 
 
 def _on_meta(case) -> bool:
-    from ssdiff.inputs import draw
+    from ssdiff.inputs.drawing import draw
 
     values, _, grads = draw(case, "meta")
     return all(t.device.type == "meta" for t in [*values.values(), *grads.values()])
@@ -145,7 +145,7 @@ PINNED = {"normal": ((1, 2, 3, 4), [0.8167438431872991, 0.9028352562992186, 0.95
 
 @pytest.mark.parametrize("kind", sorted(PINNED))
 def test_counter_variates_are_pinned_bits_on_every_device(kind, device):
-    from ssdiff.inputs import counter_variates
+    from ssdiff.inputs.drawing import counter_variates
 
     key, first = PINNED[kind]
     assert counter_variates(kind, len(first), key, device).cpu().tolist() == first
@@ -154,18 +154,18 @@ def test_counter_variates_are_pinned_bits_on_every_device(kind, device):
 @pytest.mark.parametrize("kind", sorted(PINNED))
 def test_counter_variates_in_slabs_are_the_variates_at_once(kind, device, monkeypatch):
     """Computed a slab at a time (a huge case's 2**31 variates), element i is still a function of i alone."""
-    from ssdiff import inputs
+    from ssdiff.inputs import drawing
 
     key = PINNED[kind][0]
-    whole = inputs.counter_variates(kind, 1000, key, device)
-    monkeypatch.setattr(inputs, "_VARIATE_SLAB", 64)
-    assert torch.equal(inputs.counter_variates(kind, 1000, key, device), whole)
+    whole = drawing.counter_variates(kind, 1000, key, device)
+    monkeypatch.setattr(drawing, "_VARIATE_SLAB", 64)       # 16 slabs of the 1000
+    assert torch.equal(drawing.counter_variates(kind, 1000, key, device), whole)
 
 
 def test_counter_normals_are_distinct_and_normal(device):
     """2**20 normals of one key: no value twice, and the normal's mean, variance and tail shares (the inverse CDF
     is cut at the outermost quantile, 4.32)."""
-    from ssdiff.inputs import counter_variates
+    from ssdiff.inputs.drawing import counter_variates
 
     n = 2 ** 20
     x = counter_variates("normal", n, (7, 11, 13, 17), device).cpu()
@@ -180,7 +180,7 @@ def test_counter_normals_are_distinct_and_normal(device):
 
 @given(cases(entry="chunk_scan"))
 def test_the_decay_inputs_alone_are_those_of_the_whole_draw(case):
-    from ssdiff.inputs import draw
+    from ssdiff.inputs.drawing import draw
 
     alone, whole = draw(case, decay_only=True)[0], draw(case)[0]
     assert alone.keys() <= whole.keys() and {"A", "dt"} <= alone.keys()

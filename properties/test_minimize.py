@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ssdiff import runtime
-from ssdiff.inputs.draw import draw
+from ssdiff.inputs.drawing import draw
 from ssdiff.registry import known
 from ssdiff.reproduce import repro
 from ssdiff.model.case import Case, Regime
@@ -73,7 +73,7 @@ def test_seed_repro_fails_until_the_upstream_fix(seed_minimized, tmp_path):
 
 
 def test_seed_repro_draws_and_runs_kernels_with_ssdiffs_own_code(seed_minimized):
-    """One `draw` and one set of runtime patches: repro.py inlines harness/inputs/draw.py whole and, where the
+    """One `draw` and one set of runtime patches: repro.py inlines harness/inputs/drawing.py whole and, where the
     kernels ran under the Triton interpreter, the patches harness/runtime.py installs, verbatim."""
     text = seed_minimized.repro_path.read_text()
     assert inspect.getsource(inspect.getmodule(draw)) in text

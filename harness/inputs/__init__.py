@@ -2,7 +2,7 @@
 
 Every value is drawn in float64 from ``case.seed``, rounded once to the dtype it is handed to implementations in,
 and kept in float64 after that rounding. The oracle therefore sees exactly the numbers every implementation
-sees. The numbers do not depend on the device. The drawing itself is `draw` (harness/inputs/draw.py,
+sees. The numbers do not depend on the device. The drawing itself is `draw` (harness/inputs/drawing.py,
 self-contained so that repro.py inlines it); this module builds a case's `Inputs` around it.
 
 Dtypes follow how Mamba-2 is used: activations (x, dt, B, C, z, zxbcdt, the layer's input u) and the mixer's
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ssdiff.inputs.draw import _DRAW_BLOCK, _VARIATE_SLAB, counter_variates, draw  # noqa: F401 (re-exported)
+from ssdiff.inputs.drawing import draw
 from ssdiff.model.case import Case
 from ssdiff.model.dtypes import TORCH_DTYPES
 

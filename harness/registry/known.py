@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from ssdiff.model.case import Case, Regime
-from ssdiff.inputs.draw import draw
+from ssdiff.inputs.drawing import draw
 
 KNOWN_POLICIES = ("report", "skip", "ignore")
 

@@ -1,7 +1,7 @@
 """repro.py: a standalone script for one divergence, ready to paste into an upstream issue.
 
 It needs torch and the implementation under test, nothing of ssdiff. It inlines, verbatim, ssdiff's drawing code
-(harness/inputs/draw.py: the numbers are the ones ssdiff judged), the Triton-interpreter and autotune patches
+(harness/inputs/drawing.py: the numbers are the ones ssdiff judged), the Triton-interpreter and autotune patches
 ssdiff runs kernels under (harness/runtime.py) and any CPU stand-in (causal_conv1d / selective_scan_cuda
 replacements: harness/sides/standins.py), labelled; a token-by-token float64 oracle is written out in a few lines.
 It prints both sides and the oracle, the largest errors against the budgets ssdiff allowed, and exits 1 while the
@@ -38,7 +38,7 @@ from ssdiff.sides import standins
 from ssdiff.model.axes import axes_of
 from ssdiff.model.case import Case
 from ssdiff.inputs import Inputs, cu_seqlens, differentiable_names
-from ssdiff.inputs.draw import draw
+from ssdiff.inputs.drawing import draw
 from ssdiff.verdict.judge import element_budget, judged_mask, storage_dtype
 from ssdiff.model.dtypes import UNIT_ROUNDOFF
 
@@ -144,7 +144,7 @@ def _standins_source() -> str:
 
 
 def _draw_source() -> str:
-    """harness/inputs/draw.py, whole: the code ssdiff draws every input with."""
+    """harness/inputs/drawing.py, whole: the code ssdiff draws every input with."""
     return inspect.getsource(inspect.getmodule(draw)).strip("\n") + "\n"
 
 
