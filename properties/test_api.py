@@ -94,7 +94,10 @@ def test_the_readme_example_finds_the_seed_divergence_outside_the_repository(tmp
     example = re.search(r"```python\n(.*?)```", after, re.S).group(1)
     test = tmp_path / "test_example.py"
     test.write_text(example, encoding="utf-8")
+    # nothing of the checkout on the path (ssdiff comes from its installation), the caller's other entries kept
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SSDIFF_PROFILE")}
+    env.update({"PYTHONPATH": os.pathsep.join(path)} if path else {})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=900, env=env)
     out = run.stdout + run.stderr

@@ -23,9 +23,6 @@ from ssdiff.examine import Examiner
 from ssdiff.investigate import localize, tf32
 from ssdiff.investigate.minimize import replay
 from ssdiff.model.case import Case
-from ssdiff.sides import doubles
-from ssdiff.sides.base import Capabilities, Implementation
-from ssdiff.sides.registry import register
 from ssdiff.verdict.judge import FACTOR, Verdict
 
 # The search, not tuning: natively "tuned" compiles and benchmarks every config of every kernel of a new shape.
@@ -361,41 +358,22 @@ def test_a_float32_divergence_under_tf32_says_how_to_tell_tf32_from_a_defect(mon
     assert tf32.hint(Case(dtype="float32"), "cuda") is None
 
 
-class DotSensitive(Implementation):
-    """Planted: y is off by 10% unless float32 dots are exact (TRITON_F32_DEFAULT=ieee), as a kernel whose TF32
-    rounding were the whole of its error would be; it records the setting each run saw."""
-
-    name = "planted.dot_sensitive"
-    capabilities = Capabilities(entries=frozenset({"chunk_scan"}))
-
-    def __init__(self):
-        self.seen = []
-
-    def run(self, case, inputs, want_stages=False):
-        self.seen.append(os.environ.get("TRITON_F32_DEFAULT"))
-        out = doubles.healthy.run(case, inputs, want_stages)
-        if self.seen[-1] != "ieee":
-            out.outputs["y"] = out.outputs["y"] * 1.1
-        return out
-
-
 def test_a_float32_divergence_under_tf32_is_examined_again_with_exact_float32_dots(monkeypatch, device):
-    """tf32.replay: only a float32 case on a GPU under TF32 is examined again, in this process with
-    TRITON_F32_DEFAULT=ieee (restored after) and the same config and sides: within budget there it explains the
-    divergence (the verdicts on one line); still out of budget, the divergence stands."""
-    side = register(DotSensitive())
+    """tf32.replay: only a float32 case on a GPU under TF32 is examined again, in a fresh process with
+    TRITON_F32_DEFAULT=ieee (a process keeps the kernel variants it compiled) and the same config and sides:
+    within budget there it explains the divergence (the verdicts on one line); still out of budget, the
+    divergence stands. This process's setting is left as it was."""
+    side = "ssdiff.sides.doubles:dot_sensitive"
     case = Case(seqlen=8, headdim=4, dstate=4, chunk_size=4, dtype="float32", seed=3)
     monkeypatch.setattr(tf32, "applies", lambda case, device: case.dtype == "float32")
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
-    with Examiner([side.name], device) as examiner:
-        assert not examiner.examine(case).verdicts[side.name].ok          # off by 10% with TF32's dots
-    said = tf32.replay(side.name, case, 0, device)
-    assert said is not None and side.name in said and "\n" not in said
-    assert side.seen[-1] == "ieee" and "TRITON_F32_DEFAULT" not in os.environ
-    monkeypatch.setattr(DotSensitive, "run", lambda self, case, inputs, want_stages=False:
-                        doubles.group_bug.run(case, inputs, want_stages))
-    assert tf32.replay(side.name, case.replace(nheads=4, ngroups=2), 0, device) is None      # still diverges
-    assert tf32.replay(side.name, case.replace(dtype="float16"), 0, device) is None           # not float32
+    with Examiner([side], device) as examiner:
+        assert not examiner.examine(case).verdicts[side].ok          # off by 10% without exact dots
+    said = tf32.replay(side, case, 0, device)
+    assert said is not None and "dot_sensitive" in said and "\n" not in said
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    assert tf32.replay("ssdiff.sides.doubles:group_bug", case.replace(nheads=4, ngroups=2), 0, device) is None
+    assert tf32.replay(side, case.replace(dtype="float16"), 0, device) is None                     # not float32
 
 
 @pytest.mark.parametrize("within_budget", [True, False])

@@ -85,4 +85,4 @@ def test_a_side_whose_kernels_are_a_namespace_is_stamped_with_their_files(device
     from ssdiff.sides import doubles
 
     compiler = Compiler({"ssdiff.sides.doubles:tiling_bug": doubles.tiling_bug}, device, "tuned", workers=1)
-    assert "harness/sides/doubles.py:" in compiler._stamps["ssdiff.sides.doubles:tiling_bug"]
+    assert "sides/doubles.py:" in compiler._stamps["ssdiff.sides.doubles:tiling_bug"]

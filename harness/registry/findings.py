@@ -37,9 +37,12 @@ from pathlib import Path
 from typing import Optional
 
 from ssdiff.model.case import Case
+from ssdiff.reproduce.repro import checkout
 from ssdiff.registry.known import BY_ID, DEFECTS, KnownDefect, explains, installed_version
 
-REPO = Path(__file__).resolve().parents[2]
+# The checkout the catalogue lives in: the one this package runs from, else the current directory (an installed
+# ssdiff run from a checkout).
+REPO = checkout() or Path.cwd()
 FINDINGS_DIR = REPO / "reports" / "findings"
 CATALOGUE = REPO / "FINDINGS.md"
 CASE_FILE, RECORD_FILE, REPRO_FILE = "case.json", "finding.json", "repro.py"

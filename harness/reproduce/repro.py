@@ -537,13 +537,20 @@ def write(path, case: Case, sides: list, inputs: Inputs, truth, base, factor: fl
     return path
 
 
+def checkout() -> Optional[Path]:
+    """The ssdiff checkout this package runs from (the package is its folder harness/, with pyproject.toml beside
+    it: an editable install or a run from the checkout), or None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "harness").is_dir() else None
+
+
 def run(path, first: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
     """Run a repro.py as a stranger would: nothing of ssdiff importable (neither this checkout nor the cwd), the
     packages it needs where the caller has them (the caller's PYTHONPATH entries but the checkout are kept: a GPU
     runner may provide mamba_ssm there), ``first`` (a release's directory, a fixed package) ahead of them, and the
     rest of the caller's environment as it is (what reaches the device: driver and library paths, the machine's
     required settings)."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = checkout()
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != repo]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([p for p in [str(first or ""), *kept] if p]))
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env,

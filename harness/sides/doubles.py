@@ -23,6 +23,8 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
   dtype between steps), as a selective-state-update kernel computes it. With ``bug=`` one planted mistake:
     "no_decay"      the state is not decayed before the update (state + dt B x instead of exp(dt A) state + ...);
     "group_heads"   each head reads B and C from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``.
+- `DotSensitive`: the toy kernel with y off by 10% unless TRITON_F32_DEFAULT=ieee in its process (what TF32's loss
+  looks like to the TF32 replay).
 - `Misbehaving`: calls os.abort(), sleeps forever, raises, or runs out of device memory — optionally only when
   ngroups > 1 — to test that crash / hang / error become verdicts under --isolate and the run goes on, and
   that running out of memory is no verdict (the case is skipped and counted).
@@ -360,7 +362,23 @@ class Misbehaving(Implementation):
         return self._healthy.run(case, inputs, want_stages)
 
 
+class DotSensitive(ToyKernel):
+    """y off by 10% unless float32 dots are exact (TRITON_F32_DEFAULT=ieee in its process): a kernel whose TF32
+    rounding were the whole of its error (harness/investigate/tf32.py's replay tells it from a defect)."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "double.dot_sensitive"
+
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
+        out = super().run(case, inputs, want_stages)
+        if os.environ.get("TRITON_F32_DEFAULT", "").lower() != "ieee":
+            out.outputs["y"] = out.outputs["y"] * 1.1
+        return out
+
+
 healthy = ToyKernel()
+dot_sensitive = DotSensitive()
 group_bug = ToyKernel("group_index")
 reset_bug = ToyKernel("no_reset")
 mask_bug = ToyKernel("partial_mask")
