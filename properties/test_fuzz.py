@@ -101,6 +101,38 @@ def test_with_keep_going_divergences_are_localized_after_the_search(tmp_path, de
     assert "first divergent stage: scan" in message             # the folder is rewritten with the localization
 
 
+def test_a_slow_minimization_ends_within_the_post_processing_bound_with_its_partial_minimum(tmp_path, device):
+    """Every run of slow_group_bug sleeps, so its minimization cannot reach a local minimum within 3 s: the
+    campaign ends within its search plus that bound (give or take the run under way), saving the smallest case
+    reached and saying that it is partial."""
+    spec, bound = "ssdiff.sides.doubles:slow_group_bug", 3.0
+    start = time.perf_counter()
+    report = fuzz(spec, tmp_path, device, max_examples=200, pass_="forward", dtypes=("float32",), minimize=True,
+                  localize=False, post_time=bound)
+    post = time.perf_counter() - start - report.search_s
+    finding = only_finding(report)
+    assert finding.minimized is not None and finding.minimized.partial, finding.minimize_problem
+    assert post < bound + 4.0, f"post-processing took {post:.1f} s against a bound of {bound} s"
+    saved = json.load(open(os.path.join(finding.path, "minimized-verdict.json"), encoding="utf-8"))
+    assert saved["partial"] is True
+    assert "minimized partially" in (tmp_path / "divergence-001" / "message.txt").read_text()
+
+
+def test_one_cause_is_one_finding_whatever_else_its_cases_hold(tmp_path, device):
+    """group_and_padding_bugs has two causes: heads reading the wrong group, and padding tokens computed as a
+    sequence. Its divergent cases differ in everything else (dtype, pass, tensors, other features), yet each
+    finding's trigger is one of the two causes' alone, and the cases of one cause are one finding."""
+    causes = {("groups",), ("final_states", "padding", "seq_idx")}
+    report = fuzz("ssdiff.sides.doubles:group_and_padding_bugs", tmp_path, device, max_examples=60, keep_going=True,
+                  dtypes=("float32",), pass_="forward", seed=1)
+    assert report.exit_code == 1, f"nothing found in {report.tried} cases"
+    triggers = [tuple(sorted(f.localization["features"]["trigger"])) for f in report.findings]
+    assert set(triggers) <= causes and len(triggers) == len(set(triggers)), triggers
+    assert sum(f.divergent_cases for f in report.findings) > len(report.findings)      # cases were merged
+    summary = json.load(open(tmp_path / "summary.json", encoding="utf-8"))
+    assert summary["causes"] == len(report.findings)
+
+
 def test_a_stop_request_ends_the_search_after_the_case_being_judged(tmp_path, device):
     config = FuzzConfig(impl="ssdiff.sides.doubles:healthy", out_dir=str(tmp_path), device=device, report_dir=None,
                         max_time=None, max_examples=50, seed=1)

@@ -104,7 +104,7 @@ def minimize_outcome(examiner: Examiner, original: Outcome, out_dir, on_step: Op
     ``accept``: a condition every smaller case must keep (a known defect's predicate, say); ``holds``: one every
     smaller case's outcome must keep (that the defect explains its divergence, say). Shrinking stops at
     ``max_runs`` runs or once time.perf_counter() passes ``deadline``: the smallest case reached is written, and
-    minimized.json says it is partial."""
+    minimized-verdict.json says it is partial."""
     if not original.diverged:
         raise NotDiverging(f"{original.case.describe()}: no divergence — "
                            + "; ".join(v.message() for v in original.verdicts.values()))

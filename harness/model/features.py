@@ -53,8 +53,8 @@ def _no_final_states(c: Case) -> Case:
 
 
 def _unragged(c: Case) -> Case:
-    """seqlen down to a whole number of chunks (up to one chunk when shorter), taking the tokens from padding
-    first, then from each row's last sequence."""
+    """seqlen down to a whole number of chunks (up to one chunk when shorter), taking the tokens from each row's
+    last sequence first (it keeps a token), then from its padding: what else the case holds stays as it is."""
     Q = c.chunk_size
     target = c.seqlen - c.seqlen % Q if c.seqlen >= Q else Q
     delta = target - c.seqlen
@@ -63,11 +63,9 @@ def _unragged(c: Case) -> Case:
         pads = c.padding or (0,) * c.batch
         segs, new_pads = [], []
         for row, pad in zip(c.segments, pads):
-            take = min(pad, -delta) if delta < 0 else 0
-            rest = delta + take
-            row = row[:-1] + (row[-1] + rest,)
-            segs.append(row)
-            new_pads.append(pad - take)
+            from_last = max(delta, 1 - row[-1])              # negative: tokens taken; positive: tokens added
+            segs.append(row[:-1] + (row[-1] + from_last,))
+            new_pads.append(pad + delta - from_last)         # a negative count is the Case's error to raise
         changes["segments"] = tuple(segs)
         changes["padding"] = tuple(new_pads) if any(new_pads) else None
     return c.replace(**changes)
@@ -80,12 +78,14 @@ def _no_swiglu(c: Case) -> Case:
     return c.replace(d_nonssm=0)
 
 
-def _first_row(c: Case) -> Case:
+def _one_row(c: Case) -> Case:
+    """batch 1, keeping the row whose sequences show the most: padding first, then the most sequences."""
     changes = dict(batch=1)
     if c.segments is not None:
-        changes["segments"] = c.segments[:1]
-        if c.padding is not None:
-            changes["padding"] = c.padding[:1]
+        pads = c.padding or (0,) * c.batch
+        keep = max(range(c.batch), key=lambda r: (pads[r] > 0, len(c.segments[r])))
+        changes["segments"] = (c.segments[keep],)
+        changes["padding"] = (pads[keep],) if pads[keep] else None
     return c.replace(**changes)
 
 
@@ -155,7 +155,7 @@ FEATURES = (
             lambda c: c.replace(regime={"decay": "mild"})),
     Feature("scale", "input scale != 1", "scale 1", lambda c: c.regime.scale != 1.0,
             lambda c: c.replace(regime={"scale": 1.0})),
-    Feature("batch", "batch > 1", "batch -> 1", lambda c: c.batch > 1, _first_row),
+    Feature("batch", "batch > 1", "batch -> 1", lambda c: c.batch > 1, _one_row),
 )
 BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)

@@ -9,10 +9,14 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "group_index"   chunk states take B from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``;
     "no_reset"      the state passed between chunks does not reset where seq_idx changes;
     "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one;
+    "padding_leak"  padding tokens (seq_idx = -1) are computed as one more sequence: they add to the state and the
+                    final state, and their inputs receive gradients (no handling of -1 at all);
     "row_leak"      every row's y but the first gets 2^-10 of the first row's (rows share a buffer);
     "drop_initial_states"  the initial states are ignored (every row starts from zero);
     "offset_wrap"   x's element i past huge.HUGE_ELEMENTS is read from i - HUGE_ELEMENTS (a 32-bit offset that
                     overflows at 2**31; harness/inputs/huge.py, whose threshold a test lowers to a small case's size).
+  A tuple plants several (``group_and_padding_bugs``: two causes in one kernel).
+- `Slow`: a toy kernel with a planted bug whose every run first sleeps: a divergence that minimizes slowly.
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
 - `ToyLayer`: the whole Mamba-2 layer in float32 (layer entry): in_proj, then the toy mixer; ``bug=
@@ -54,13 +58,16 @@ from ssdiff.model.dtypes import torch_dtype
 from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
-BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap")
+BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap",
+        "padding_leak")
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
 def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, bug=None):
-    """A chunk-at-a-time SSD scan on float32 tensors. Returns (y, final_states, stages)."""
+    """A chunk-at-a-time SSD scan on float32 tensors. Returns (y, final_states, stages). ``bug``: one of BUGS, or a
+    tuple of them (each planted)."""
+    bugs = set(bug) if isinstance(bug, tuple) else {bug}
     b, L, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     Q = chunk_size
@@ -68,7 +75,7 @@ def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_sof
     r = h // g
     dev = x.device
     head_group = torch.arange(h, device=dev) // r
-    state_group = torch.arange(h, device=dev) % g if bug == "group_index" else head_group
+    state_group = torch.arange(h, device=dev) % g if "group_index" in bugs else head_group
     d = process_dt(dt, dt_bias, dt_softplus, dt_limit)                       # (b, L, h)
     seq = seq_idx.long() if seq_idx is not None else torch.zeros(b, L, dtype=torch.long, device=dev)
 
@@ -81,11 +88,11 @@ def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_sof
         dk, xk, sk = d[:, s:e], x[:, s:e], seq[:, s:e]                       # (b, q, h), (b, q, h, p), (b, q)
         Bk, Ck = B[:, s:e], C[:, s:e]                                        # (b, q, g, n)
         cs = torch.cumsum(dk * A, dim=1)                                     # (b, q, h)
-        real = sk >= 0
+        real = (sk >= 0) | ("padding_leak" in bugs)                          # (b, q)
         CB = torch.einsum("bign,bjgn->bgij", Ck, Bk)                        # (b, g, q, q)
         CBs.append(F.pad(CB, (0, Q - q, 0, Q - q)))
         causal = torch.tril(torch.ones(q, q, dtype=torch.bool, device=dev),
-                            diagonal=1 if (bug == "partial_mask" and q < Q) else 0)
+                            diagonal=1 if ("partial_mask" in bugs and q < Q) else 0)
         same = (sk[:, :, None] == sk[:, None, :]) & real[:, :, None] & real[:, None, :]
         allowed = (causal & same)[:, None]                                   # (b, 1, i, j)
         # Like Mamba-2: exp(cs_i - cs_j) forward, the gradient through the direct segment sum (stable).
@@ -109,7 +116,7 @@ def toy_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_sof
             (torch.exp(cs) * reaches[..., None])[..., None]
         ys.append(y_diag + y_off)
         cs_all.append(cs)
-        survives = (last >= 0) if bug == "no_reset" else (last == prev_last) & (last >= 0)
+        survives = (last >= 0) if "no_reset" in bugs else (last == prev_last) & (last >= 0)
         state = (torch.exp(cs[:, -1]) * survives[:, None])[..., None, None] * state + local
         prev_last = last
     y = torch.cat(ys, dim=1)
@@ -150,18 +157,19 @@ _BATCH_LEADING = ("x", "dt", "B", "C", "z", "initial_states")
 
 class ToyKernel(_Float32Implementation):
     def __init__(self, bug=None):
-        if bug not in BUGS:
-            raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
-        self.bug = bug
-        self.name = f"double.toy{'.' + bug if bug else ''}"
-        self.description = f"toy chunked float32 SSD{' with a planted bug: ' + bug if bug else ''}"
+        bugs = bug if isinstance(bug, tuple) else (bug,) if bug else ()
+        if any(b not in BUGS[1:] for b in bugs) or (isinstance(bug, tuple) and not bug):
+            raise ValueError(f"bug must be one of {BUGS} or a tuple of them, got {bug!r}")
+        self.bug, self.bugs = bug, frozenset(bugs)
+        self.name = f"double.toy{''.join('.' + b for b in bugs)}"
+        self.description = f"toy chunked float32 SSD{' with planted bugs: ' + ', '.join(bugs) if bugs else ''}"
         self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}),
                                          unsupported=frozenset({"varlen_states"}), stages=STAGES)
 
     def compute(self, case, t, inputs):
         # Each batch row on its own, as a kernel's programs compute it, so that the double is batch-invariant bit
         # for bit on every device (torch's batched products on a GPU choose their algorithm by the batch size).
-        if self.bug == "offset_wrap":
+        if "offset_wrap" in self.bugs:
             t = dict(t, x=_wrapped(t["x"]))
         rows = []
         for r in range(t["x"].shape[0]):
@@ -169,18 +177,33 @@ class ToyKernel(_Float32Implementation):
             rows.append(toy_scan(row["x"], row["dt"], row["A"], row["B"], row["C"], chunk_size=case.chunk_size,
                                  D=row.get("D"), z=row.get("z"), dt_bias=row.get("dt_bias"),
                                  dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
-                                 initial_states=None if self.bug == "drop_initial_states" else
+                                 initial_states=None if "drop_initial_states" in self.bugs else
                                  row.get("initial_states"),
                                  seq_idx=None if inputs.seq_idx is None else inputs.seq_idx[r:r + 1], bug=self.bug))
         y, final = (torch.cat([row[i] for row in rows]) for i in (0, 1))
         stages = {name: torch.cat([row[2][name] for row in rows]) for name in rows[0][2]}
-        if self.bug == "row_leak" and y.shape[0] > 1:
+        if "row_leak" in self.bugs and y.shape[0] > 1:
             y = torch.cat([y[:1], y[1:] + 2.0 ** -10 * y[:1]])
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = final
         stages["y"] = y
         return outputs, stages
+
+
+class Slow(ToyKernel):
+    """The toy kernel with ``bug`` whose every run first sleeps ``seconds``: each minimization candidate costs at
+    least that, so a campaign's post-processing bound ends its minimization early."""
+
+    def __init__(self, bug="group_index", seconds=0.5):
+        super().__init__(bug)
+        self.seconds = seconds
+        self.name = f"double.slow.{bug}"
+        self.description = f"{self.description}, sleeping {seconds:g} s a run"
+
+    def run(self, case: Case, inputs: Inputs, want_stages: bool = False) -> Evaluation:
+        time.sleep(self.seconds)
+        return super().run(case, inputs, want_stages)
 
 
 def _wrapped(x: torch.Tensor) -> torch.Tensor:
@@ -385,6 +408,8 @@ mask_bug = ToyKernel("partial_mask")
 row_leak_bug = ToyKernel("row_leak")
 initial_states_bug = ToyKernel("drop_initial_states")
 offset_wrap_bug = ToyKernel("offset_wrap")
+group_and_padding_bugs = ToyKernel(("group_index", "padding_leak"))
+slow_group_bug = Slow()
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()
