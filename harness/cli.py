@@ -149,13 +149,27 @@ def cmd_report(args) -> int:
 def cmd_fuzz(args) -> int:
     """Fuzz an implementation against another (or the oracle); exit 1 on a divergence, 0 on none, 2 on bad usage.
     `ssdiff demo` runs it on the built-in default target (DEMO below) with a short budget."""
-    import time
+    from ssdiff.campaign.fuzz import Fuzzer
 
-    from rich.live import Live
-    from rich.text import Text
+    config = _fuzz_config(args)
+    if getattr(args, "cluster", None):
+        from ssdiff.campaign import cluster
 
-    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
-    from ssdiff.campaign.progress import progress_text
+        return cluster.run(args, args.argv[1:], console, Console(stderr=True))
+    if getattr(args, "jobs", 1) > 1:
+        from ssdiff.campaign import jobs
+
+        return jobs.run(args, args.argv[1:], console, Console(stderr=True))
+    fuzzer = Fuzzer(config, started=STARTED)
+    args.run_folder = fuzzer.out_dir
+    report = _run_with_progress(fuzzer)
+    _print_run(fuzzer, report)
+    return report.exit_code
+
+
+def _fuzz_config(args):
+    """The FuzzConfig the flags of `ssdiff fuzz` (or `demo`) say."""
+    from ssdiff.campaign.fuzz import FuzzConfig
     from ssdiff.model.strategies import Bounds
 
     demo = args.command == "demo"
@@ -191,16 +205,20 @@ def cmd_fuzz(args) -> int:
         example_db=getattr(args, "example_db", None))
     if getattr(args, "no_report", False):
         config.report_dir = None
-    if getattr(args, "cluster", None):
-        from ssdiff.campaign import cluster
+    return config
 
-        return cluster.run(args, args.argv[1:], console, Console(stderr=True))
-    if getattr(args, "jobs", 1) > 1:
-        from ssdiff.campaign import jobs
 
-        return jobs.run(args, args.argv[1:], console, Console(stderr=True))
-    fuzzer = Fuzzer(config, started=STARTED)
-    args.run_folder = fuzzer.out_dir
+def _run_with_progress(fuzzer):
+    """Run the campaign, its first line and progress on stderr (a live line on a terminal, one every 15 s
+    elsewhere); the first Ctrl-C ends the search after the case being judged."""
+    import time
+
+    from rich.live import Live
+    from rich.text import Text
+
+    from ssdiff.campaign.progress import progress_text
+
+    config = fuzzer.config
     err_console = Console(stderr=True)
     against_text = config.against or f"the float64 oracle ({config.oracle})"
     budget = " and ".join(([f"{config.max_time:g} s"] if config.max_time is not None else [])
@@ -250,6 +268,12 @@ def cmd_fuzz(args) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    return report
+
+
+def _print_run(fuzzer, report) -> None:
+    """What the campaign found and measured: each finding, the known defects, the tallies, the verdict line."""
+    err_console = Console(stderr=True)
     for finding in report.findings:
         console.rule(f"divergence {finding.number} (after {finding.found_after_s:.1f} s, "
                      f"{finding.cases_before + 1} cases judged)")
@@ -317,7 +341,6 @@ def cmd_fuzz(args) -> int:
     console.print(f"{verdict}; output: {report.out_dir}/ (summary.json"
                   f"{', divergence-*/case.json, verdict.json' if report.findings else ''})", highlight=False,
                   soft_wrap=True)
-    return report.exit_code
 
 
 # The built-in default target of `ssdiff demo` (README quick start): the fused mixer against its reference,

@@ -349,6 +349,67 @@ class Fuzzer:
         self._progress(outcome)
         return False
 
+    def _rounds(self, search, stop_reason: list) -> None:
+        """The search under a time budget or a compile pool, ``search(examples, seed, targeted, key)`` a round,
+        until the budget is spent or ``stop_reason`` says why it ends."""
+        cfg = self.config
+        # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded
+        # from the campaign's seed and the round), alternating plain generation with targeted search: once
+        # a target is observed Hypothesis's mutations toward it crowd out fresh draws, so one unbounded
+        # targeted search would stay near its first cases. With a compile pool a round is one search per
+        # key (`round_shares`), and one key is swapped between rounds.
+        idle = 0
+        for round_ in itertools.count():
+            examples = ROUND_EXAMPLES if cfg.max_examples is None else \
+                min(ROUND_EXAMPLES, cfg.max_examples - self.report.tried)
+            if examples <= 0:               # the keys' representative cases spent the example budget
+                break
+            before = self.report.tried
+            if self.schedule.compiler is not None and self.schedule.judge_pending(self.judge):
+                stop_reason.append("divergence found")
+                break
+            if self.pool is None:
+                search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
+            else:
+                for slot, key, share in round_shares(self.pool.keys, examples, round_):
+                    search(share, None if cfg.seed is None else f"{cfg.seed}/{round_}/{slot}",
+                           targeted=round_ % 2 == 1, key=key)
+                    if stop_reason or self.budget.spent():
+                        break
+            if stop_reason or self.budget.spent():
+                break
+            idle = idle + 1 if self.report.tried == before else 0
+            if idle >= 5:
+                stop_reason.append("five rounds judged no case (every drawn case was skipped)")
+                break
+            if self.pool is not None:
+                new = self.pool.upcoming
+                self.pool.rotate()
+                # the one key now planned COMPILE_AHEAD_ROUNDS rotations ahead (the others are queued)
+                self.schedule.compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS)[-1:])
+                if self.schedule.representatives([new], self.judge):
+                    stop_reason.append("divergence found")
+                    break
+
+    def _post_process(self) -> None:
+        """After the search, within the post-processing bound: with keep_going the TF32 replays, localization
+        and the merge of one cause's findings; then minimization."""
+        cfg = self.config
+        if cfg.keep_going:
+            for finding in list(self.report.findings):
+                self._replay_with_exact_dots(finding)
+            self._write_summary()
+        if cfg.localize and cfg.keep_going:
+            for finding in self.report.findings:
+                self.localize(finding)
+                self._write(finding)
+            self._merge_causes()
+            self._write_summary()
+        if cfg.minimize:
+            for finding in self.report.findings:
+                self._minimize(finding)
+                self._write(finding)
+
     def run(self) -> FuzzReport:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
@@ -426,61 +487,12 @@ class Fuzzer:
             elif cfg.max_examples is not None and self.pool is None:
                 search(cfg.max_examples, cfg.seed)
             else:
-                # A time budget alone, or a compile pool: rounds of ROUND_EXAMPLES, each a fresh search (seeded
-                # from the campaign's seed and the round), alternating plain generation with targeted search: once
-                # a target is observed Hypothesis's mutations toward it crowd out fresh draws, so one unbounded
-                # targeted search would stay near its first cases. With a compile pool a round is one search per
-                # key (`round_shares`), and one key is swapped between rounds.
-                idle = 0
-                for round_ in itertools.count():
-                    examples = ROUND_EXAMPLES if cfg.max_examples is None else \
-                        min(ROUND_EXAMPLES, cfg.max_examples - self.report.tried)
-                    if examples <= 0:               # the keys' representative cases spent the example budget
-                        break
-                    before = self.report.tried
-                    if self.schedule.compiler is not None and self.schedule.judge_pending(self.judge):
-                        stop_reason.append("divergence found")
-                        break
-                    if self.pool is None:
-                        search(examples, None if cfg.seed is None else cfg.seed + round_, targeted=round_ % 2 == 1)
-                    else:
-                        for slot, key, share in round_shares(self.pool.keys, examples, round_):
-                            search(share, None if cfg.seed is None else f"{cfg.seed}/{round_}/{slot}",
-                                   targeted=round_ % 2 == 1, key=key)
-                            if stop_reason or self.budget.spent():
-                                break
-                    if stop_reason or self.budget.spent():
-                        break
-                    idle = idle + 1 if self.report.tried == before else 0
-                    if idle >= 5:
-                        stop_reason.append("five rounds judged no case (every drawn case was skipped)")
-                        break
-                    if self.pool is not None:
-                        new = self.pool.upcoming
-                        self.pool.rotate()
-                        # the one key now planned COMPILE_AHEAD_ROUNDS rotations ahead (the others are queued)
-                        self.schedule.compile_ahead(self.pool.ahead(COMPILE_AHEAD_ROUNDS)[-1:])
-                        if self.schedule.representatives([new], self.judge):
-                            stop_reason.append("divergence found")
-                            break
+                self._rounds(search, stop_reason)
             self.report.search_s = self.budget.elapsed()
             if not stop_reason:
                 stop_reason.append(self.budget.spent() or "Hypothesis finished its examples")
             self.report.stopped = stop_reason[0]
-            if cfg.keep_going:
-                for finding in list(self.report.findings):
-                    self._replay_with_exact_dots(finding)
-                self._write_summary()
-            if cfg.localize and cfg.keep_going:
-                for finding in self.report.findings:
-                    self.localize(finding)
-                    self._write(finding)
-                self._merge_causes()
-                self._write_summary()
-            if cfg.minimize:
-                for finding in self.report.findings:
-                    self._minimize(finding)
-                    self._write(finding)
+            self._post_process()
         finally:
             self.report.search_s = self.report.search_s or self.budget.elapsed()
             if self.schedule.compiler is not None:
