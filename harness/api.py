@@ -79,7 +79,8 @@ def _examiner(name: str, against: Optional[str], device: str) -> Examiner:
 
 def _replay_hint(case: Case, name: str, against: Optional[str]) -> str:
     other = f" --against {against}" if against else ""
-    return (f"replay: save the case as case.json and run `ssdiff replay case.json --impl {name}{other}`\n"
+    return (f"replay: save the case as case.json and run `ssdiff replay case.json --impl {name}{other}` "
+            f"(`ssdiff minimize` with the same arguments shrinks it)\n"
             f"case: {case.to_json(indent=None)}")
 
 
