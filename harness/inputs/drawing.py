@@ -191,7 +191,7 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
         # Mamba-3 (harness/truth/README.md): q, k over the ngroups B/C heads (dstate = headdim_qk), v per head
         # (headdim = headdim_v), DT the processed dt (softplus'd above), ADT = A * DT, trap and angles raw (the
         # kernel takes sigmoid(trap) and pi * tanh(angles)); biases, D, ADT, DT and the states but V's in float32.
-        a = case.rope_angles
+        a = (int(case.dstate * case.rope_fraction) // 2 * 2) // 2      # Case.rope_angles (a case here may be any object)
         nseq = len(case.segments[0]) if case.segments is not None else b
         put("q", values(b, L, g, n), act)
         put("k", values(b, L, g, n), act)
