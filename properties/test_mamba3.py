@@ -5,7 +5,7 @@ What this file checks (the three orders' agreement and gradcheck are in test_ora
 test_oracle_gradcheck.py; mamba_ssm's kernels go through the generic property, test_implementations.py, by their
 records in harness/sides/adapters/mamba3.py):
 - the entry's fields validate with one line naming the field, and a case round-trips through JSON while other
-  entries' JSON does not change;
+  entries' JSON does not change; cu_seqlens may hold an empty sequence (a feature of its own);
 - prefill-then-decode consistency of the oracle: each order run over [0, k) and then over [k, L) from the four
   final states it returned (angle, SSM, K, V) equals one run (the recurrent order steps token by token);
 - the healthy float32 double, forward and through its step function, is within the same-precision budget;
@@ -25,6 +25,7 @@ from ssdiff import runtime
 runtime.configure()                     # before any kernel module is imported
 
 from ssdiff.examine import Examiner  # noqa: E402
+from ssdiff.model import features  # noqa: E402
 from ssdiff.model.bounds import Bounds  # noqa: E402
 from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.model.strategies import cases  # noqa: E402
@@ -58,6 +59,14 @@ def test_a_mamba3_case_round_trips_and_other_entries_json_is_unchanged():
     assert Case.from_json(case.to_json()) == case
     assert case.rope_angles == 3 and "rope=1 steps=3" in case.describe()
     assert "rope_fraction" not in Case().to_dict() and "mamba3_steps" not in Case().to_dict()
+
+
+def test_an_empty_sequence_is_expressible_for_mamba3_only_and_switches_off_as_a_feature():
+    case = Case(**M3, seqlen=9, segments=((4, 0, 5),), initial_states=True)
+    assert "empty_sequence" in features.present(case)
+    assert features.switch_off(case, "empty_sequence").segments == ((4, 5),)
+    with pytest.raises(CaseError, match="every length must be a positive integer"):
+        Case(seqlen=9, segments=((4, 0, 5),))
 
 
 # ---- the oracle: prefill then decode ----------------------------------------------------------------------

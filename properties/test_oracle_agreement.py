@@ -23,7 +23,7 @@ def test_three_oracles_agree(device, case):
 @settings(max_examples=examples(8, 8))
 @given(cases(entry="mamba3", dtypes=("float32", "bfloat16"), bounds=Bounds(max_seqlen=20, max_nheads=4)))
 @example(Case(entry="mamba3", seqlen=9, nheads=2, dstate=4, chunk_size=4, has_dt_bias=False, dt_softplus=False,
-              rope_fraction=1.0, has_z=True, initial_states=True, segments=((1, 8),), pass_="backward",
+              rope_fraction=1.0, has_z=True, initial_states=True, segments=((1, 0, 8),), pass_="backward",
               final_state_grad=True, regime=Regime(dt_large=True, scale=4.0), seed=5))
 def test_three_oracles_agree_on_mamba3(device, case):
     """The Mamba-3 scan's three orders (harness/truth/mamba3.py) agree on y, the four final states and every

@@ -26,7 +26,8 @@ Two entry points are described:
 - ``mamba3``: the Mamba-3 SISO scan ``mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z,
   Input_States, chunk_size, return_final_states, cu_seqlens)`` (harness/truth/README.md, "Mamba-3"). The sizes
   read: ngroups is nheads_qk (the B/C heads Q and K are shared over), dstate is headdim_qk (even), headdim is
-  headdim_v; D is "none" or "head"; segments (batch 1) are cu_seqlens; initial_states gives all four input states
+  headdim_v; D is "none" or "head"; segments (batch 1) are cu_seqlens, where a length may be 0 (an empty
+  sequence: its final states are its input states); initial_states gives all four input states
   (angle, SSM, K, V). Its own fields: ``rope_fraction`` (0.5 or 1: the rotated share of headdim_qk) and
   ``mamba3_steps`` k: the last k tokens go one at a time through the step function after a prefill of the others
   that returns its four states (forward only, no segments): the same output, reached through the step.
@@ -517,9 +518,11 @@ def _segment_violations(c: Case):
         if not isinstance(lengths, tuple) or not lengths:
             yield f"segments[{row}]: expected a non-empty list of lengths, got {lengths!r}"
             return
+        least = 0 if c.entry == "mamba3" else 1         # cu_seqlens may hold an empty sequence
         for length in lengths:
-            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-                yield f"segments[{row}]: every length must be a positive integer, got {length!r}"
+            if not isinstance(length, int) or isinstance(length, bool) or length < least:
+                yield (f"segments[{row}]: every length must be a {'non-negative' if least == 0 else 'positive'} "
+                       f"integer, got {length!r}")
                 return
         if sum(lengths) + pad != c.seqlen:
             yield (f"segments[{row}]={list(lengths)} plus padding {pad} sum to {sum(lengths) + pad}, "

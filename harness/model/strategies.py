@@ -224,7 +224,7 @@ def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bo
                  backward: Optional[bool] = None) -> Case:
     """A valid Case of the mamba3 entry: ngroups (nheads_qk) a divisor of nheads, an even dstate (headdim_qk) with
     a rotated pair at the drawn rope fraction, D per head or none, z, the four initial states, cu_seqlens
-    (segments, batch 1), and, forward, the last tokens through the step function (``mamba3_steps``)."""
+    (segments, batch 1, sometimes with an empty sequence), and, forward, the last tokens through the step function (``mamba3_steps``)."""
     shape = draw(shapes(bounds))
     rope = draw(st.sampled_from((0.5, 1.0)))
     least = 2 if rope == 1.0 else 4
@@ -236,6 +236,10 @@ def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bo
     if shape["batch"] == 1:
         fields.update({k: v for k, v in draw(sequence_layout(1, shape["seqlen"], shape["chunk_size"],
                                                              allow_padding=False)).items() if k == "segments"})
+        if "segments" in fields and draw(st.booleans()):      # an empty sequence somewhere in cu_seqlens
+            row = fields["segments"][0]
+            at = draw(st.integers(0, len(row)))
+            fields["segments"] = (row[:at] + (0,) + row[at:],)
     fields["regime"] = draw(regimes(("contiguous",)))
     if draw(st.booleans()) if backward is None else backward:
         fields["pass_"] = "backward"

@@ -166,6 +166,9 @@ def _by_sequence(t: dict, cu_seqlens, body) -> Evaluation:
     finals = []
     for s, (row, lo, hi) in enumerate(sequences(b, L, cu_seqlens)):
         theta0, S0, k0, v0 = _initial(t, s, h, a, p, n)
+        if hi == lo:                                        # an empty sequence hands on its input states
+            finals.append((theta0, S0, k0, v0))
+            continue
         q, k, theta = _rotated(t, row, lo, hi, theta0)
         gamma, scale, carried = _weights(t, row, lo, hi, v0, k0)
         v = t["v"][row, lo:hi]
