@@ -60,7 +60,7 @@ from ssdiff.sides.base import PROFILE_GROWTH, UPSTREAM, Domain, fit_case  # noqa
 from ssdiff.sides.registry import all_implementations, get  # noqa: E402
 from ssdiff.examine import Examiner, Outcome  # noqa: E402
 from ssdiff.registry import known  # noqa: E402
-from ssdiff.campaign.pool import Mix, Pool  # noqa: E402
+from ssdiff.campaign.pool import POOLED_ENTRIES, Mix, Pool  # noqa: E402
 from ssdiff.tools.selfcheck import ATOL, RTOL, excess, relative  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -387,7 +387,7 @@ def cases_here(label: str, entries: Sequence[str], dtypes: Sequence[str], backwa
     properties draw from compile keys (`pooled`: `cases_from_keys`, ``fit`` as for `keys`), otherwise drawn
     freely (ssdiff.model.strategies.cases). The one way a property that launches kernels at the profile's example
     count draws its cases."""
-    if pooled():
+    if pooled() and set(entries) <= POOLED_ENTRIES:        # the entries a pool has keys for (not mamba3)
         return cases_from_keys(label, entries, dtypes, backward, bounds, fit)
     return st.sampled_from(tuple(entries)).flatmap(
         lambda entry: cases(entry=entry, dtypes=tuple(dtypes), bounds=bounds, backward=backward))
