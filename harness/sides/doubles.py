@@ -24,7 +24,7 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "no_decay"      the state is not decayed before the update (state + dt B x instead of exp(dt A) state + ...);
     "group_heads"   each head reads B and C from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``.
 - `Mamba3Kernel`: the Mamba-3 SISO scan in float32 (mamba3 entry): chunks within each sequence with the carried
-  state and angle, then the step recurrence for ``mamba3_steps`` tokens from the prefill's four states, as
+  state and angle (reduced mod 2 pi between chunks and steps), then the step recurrence for ``mamba3_steps`` tokens from the prefill's four states, as
   mamba3_siso_combined and mamba3_siso_step divide the work. With ``bug=`` one planted mistake:
     "trap_shift"    the trapezoid's second weight taken from the token itself, dt_s (1 - lambda_s), instead of the
                     next one's, dt_s+1 (1 - lambda_s+1) (a weight off by one token);
@@ -369,6 +369,7 @@ class Mamba3Kernel(_Float32Implementation):
                 if self.bug == "step_drops_k":
                     states = states[:2] + (torch.zeros_like(states[2]), states[3])
                 ys[row, i], states = mamba3.step(t, row, i, states, heads)
+                states = (torch.remainder(states[0], 2 * math.pi),) + states[1:]      # as the step kernel keeps it
             finals.append(states)
         y = ys + (t["D"][:, None] * t["v"] if "D" in t else 0.0)
         if "z" in t:
@@ -409,7 +410,9 @@ class Mamba3Kernel(_Float32Implementation):
             + (dt * lam * (qp * kp).sum(-1))[..., None] * v + torch.exp(adt)[..., None] * torch.einsum("hpn,ihn->ihp", S, q)
         to_end = torch.exp(adt[-1] - adt) * (dt * lam + second)                       # (T, h)
         S = torch.exp(adt[-1])[:, None, None] * S + torch.einsum("jh,jhp,jhn->hpn", to_end, v, k)
-        return angle[-1], S, k[-1], v[-1]
+        # the angle handed on reduced mod 2 pi, as the kernels carry it: unreduced, float32's absolute error grows
+        # with it (dt > 20 turns a pair by up to 20 pi a token)
+        return torch.remainder(angle[-1], 2 * math.pi), S, k[-1], v[-1]
 
 
 MISBEHAVIOURS = ("abort", "hang", "raise", "oom")
