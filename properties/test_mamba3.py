@@ -32,6 +32,8 @@ from ssdiff.model.strategies import cases  # noqa: E402
 from ssdiff.testing import ONE_CONFIG, agrees_with_oracle, examples, found_by_campaign, state_continuation  # noqa: E402
 
 BOUNDS = Bounds(max_batch=2, max_seqlen=20, max_nheads=4, max_headdim=4, max_dstate=8, chunk_sizes=(4, 8))
+# the step bug's campaign localizes its finding (the feature ablation examines a case per feature): shorter cases
+SMALL = Bounds(max_batch=2, max_seqlen=10, max_nheads=2, max_headdim=4, max_dstate=8, chunk_sizes=(4,))
 M3 = dict(entry="mamba3", has_dt_bias=False, dt_softplus=False)
 
 
@@ -82,7 +84,7 @@ def test_each_oracle_order_continues_from_its_four_final_states(device, case, sp
 
 # ---- the double within budget -----------------------------------------------------------------------------
 
-@settings(max_examples=examples(4, 4))
+@settings(max_examples=examples(3, 6))
 @given(cases(entry="mamba3", dtypes=("float32", "bfloat16"), bounds=BOUNDS))
 @example(Case(**M3, batch=2, seqlen=13, nheads=2, headdim=4, dstate=4, chunk_size=4, initial_states=True,
               mamba3_steps=4, has_z=True, seed=2))
@@ -119,7 +121,8 @@ def test_an_angle_cumsum_that_restarts_at_each_chunk_is_found_past_the_first_chu
 
 def test_a_step_that_drops_the_k_state_it_carries_is_found_in_the_decoded_tokens(tmp_path, device):
     spec = "ssdiff.sides.doubles:mamba3_step_drops_k_bug"
-    finding, report = found_by_campaign(spec, tmp_path, device, "mamba3", BOUNDS, max_examples=40)
+    # a forward campaign (decoding is forward only); a strong decay hides it (e^adt ~ 0 scales the carried term)
+    finding, report = found_by_campaign(spec, tmp_path, device, "mamba3", SMALL, max_examples=40, pass_="forward")
     case = finding.outcome.case
     assert case.mamba3_steps >= 1 and "mamba3_steps" in finding.localization["features"]["trigger"], case.describe()
     tokens = [c["tokens"] for c in finding.localization["per_side"][spec]["coordinates"] if "tokens" in c]
