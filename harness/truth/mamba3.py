@@ -83,18 +83,22 @@ def step(t: dict, row: int, i: int, states: tuple, heads) -> tuple:
         q~_t = R(theta_t)(q_t + q_bias),  k~_t = R(theta_t)(k_t + k_bias)
         S_t = exp(adt_t) S_t-1 + exp(adt_t) dt_t (1 - sigmoid(trap_t)) v_t-1 k~_t-1^T + dt_t sigmoid(trap_t) v_t k~_t^T
         y_t = S_t q~_t
+
+    y_t's own term dt_t sigmoid(trap_t) (k~_t . q~_t) v_t is taken as (k_t + k_bias) . (q_t + q_bias), its exact
+    value (one rotation turns both): its gradient with respect to the angle is then exactly zero, not the
+    rounding residue of two rotations (which outgrows any absolute tolerance when dt > 20 turns a pair by ~70 rad).
     """
     theta, S, k_prev, v_prev = states
     dt, trap = t["dt"][row, i], torch.sigmoid(t["trap"][row, i])                 # (h,)
     theta = theta + math.pi * torch.tanh(t["angles"][row, i]) * dt[:, None]
-    q = rotate(t["q"][row, i][heads] + t["q_bias"], theta)                       # (h, n)
-    k = rotate(t["k"][row, i][heads] + t["k_bias"], theta)
+    qb, kb = t["q"][row, i][heads] + t["q_bias"], t["k"][row, i][heads] + t["k_bias"]   # (h, n)
+    q, k = rotate(qb, theta), rotate(kb, theta)
     v = t["v"][row, i]                                                           # (h, p)
     alpha = torch.exp(t["adt"][row, i])
     beta, gamma = alpha * dt * (1 - trap), dt * trap
-    S = alpha[:, None, None] * S + beta[:, None, None] * v_prev[:, :, None] * k_prev[:, None, :] \
-        + gamma[:, None, None] * v[:, :, None] * k[:, None, :]
-    y = torch.einsum("hpn,hn->hp", S, q)
+    before = alpha[:, None, None] * S + beta[:, None, None] * v_prev[:, :, None] * k_prev[:, None, :]
+    y = torch.einsum("hpn,hn->hp", before, q) + (gamma * (qb * kb).sum(-1))[:, None] * v
+    S = before + gamma[:, None, None] * v[:, :, None] * k[:, None, :]
     return y, (theta, S, k, v)
 
 
@@ -116,7 +120,8 @@ def recurrent(t: dict, cu_seqlens=None) -> Evaluation:
 # ---- the vectorized orders ------------------------------------------------------------------------------------
 
 def _rotated(t: dict, row: int, lo: int, hi: int, theta0):
-    """q~, k~ (T, h, n) of tokens [lo, hi) of ``row`` and theta (T, h, a), from the sequence's initial angle."""
+    """q~, k~ (T, h, n) of tokens [lo, hi) of ``row``, theta (T, h, a) from the sequence's initial angle, and each
+    token's own q~ . k~ (T, h), taken unrotated (its exact value: see `step`)."""
     h = t["v"].shape[2]
     g = t["q"].shape[2]
     rate = math.pi * torch.tanh(t["angles"][row, lo:hi]) * t["dt"][row, lo:hi, :, None]   # (T, h, a)
@@ -124,7 +129,7 @@ def _rotated(t: dict, row: int, lo: int, hi: int, theta0):
     rep = h // g
     qb = t["q"][row, lo:hi].repeat_interleave(rep, dim=1) + t["q_bias"]
     kb = t["k"][row, lo:hi].repeat_interleave(rep, dim=1) + t["k_bias"]
-    return _turn(qb, theta), _turn(kb, theta), theta
+    return _turn(qb, theta), _turn(kb, theta), theta, (qb * kb).sum(-1)
 
 
 def _turn(x, theta):
@@ -157,9 +162,10 @@ def _segsum(adt):
 
 
 def _by_sequence(t: dict, cu_seqlens, body) -> Evaluation:
-    """A vectorized order: for each sequence, ``body(q~, k~, v, adt, gamma, scale, start)`` (start: the state
-    entering the sequence with its first token's carried-in term, (h, p, n)) -> (y of its tokens (T, h, p), its final
-    SSM state); the rows' y put together in token order."""
+    """A vectorized order: for each sequence, ``body(q~, k~, v, adt, scale, start)`` (start: the state entering the
+    sequence with its first token's carried-in term, (h, p, n)) -> (the y of its tokens (T, h, p) from the earlier
+    tokens and the start, its final SSM state); each token's own term gamma (q~ . k~) v added, the rows' y put
+    together in token order."""
     b, L, h, p = t["v"].shape
     n, a = t["q"].shape[3], t["angles"].shape[3]
     rows = [[] for _ in range(b)]
@@ -169,11 +175,11 @@ def _by_sequence(t: dict, cu_seqlens, body) -> Evaluation:
         if hi == lo:                                        # an empty sequence hands on its input states
             finals.append((theta0, S0, k0, v0))
             continue
-        q, k, theta = _rotated(t, row, lo, hi, theta0)
+        q, k, theta, own = _rotated(t, row, lo, hi, theta0)
         gamma, scale, carried = _weights(t, row, lo, hi, v0, k0)
         v = t["v"][row, lo:hi]
-        part, S = body(q, k, v, t["adt"][row, lo:hi], gamma, scale, S0 + carried)
-        rows[row].append((lo, part))
+        part, S = body(q, k, v, t["adt"][row, lo:hi], scale, S0 + carried)
+        rows[row].append((lo, part + (gamma * own)[:, :, None] * v))
         finals.append((theta[-1], S, k[-1], v[-1]))
     y = torch.stack([torch.cat([part for _, part in sorted(parts, key=lambda item: item[0])], dim=0)
                      for parts in rows])
@@ -181,11 +187,11 @@ def _by_sequence(t: dict, cu_seqlens, body) -> Evaluation:
 
 
 def quadratic(t: dict, cu_seqlens=None) -> Evaluation:
-    def body(q, k, v, adt, gamma, scale, start):
+    def body(q, k, v, adt, scale, start):
         seg = _segsum(adt)                                                        # (h, T, T)
         T = adt.shape[0]
         eye = torch.eye(T, dtype=torch.bool, device=adt.device)
-        W = torch.where(eye[None], gamma.T[:, :, None].expand(-1, T, T), torch.exp(seg) * scale.T[:, None, :])
+        W = torch.where(eye[None], torch.zeros((), dtype=adt.dtype, device=adt.device), torch.exp(seg) * scale.T[:, None, :])
         scores = torch.einsum("ihn,jhn->hij", q, k) * W
         from_start = torch.exp(torch.cumsum(adt, dim=0))                         # (T, h)
         y = torch.einsum("hij,jhp->ihp", scores, v) + from_start[:, :, None] * torch.einsum("hpn,ihn->ihp", start, q)
@@ -196,7 +202,7 @@ def quadratic(t: dict, cu_seqlens=None) -> Evaluation:
 
 
 def chunked(t: dict, cu_seqlens=None, chunk_size: int = 8) -> Evaluation:
-    def body(q, k, v, adt, gamma, scale, S):
+    def body(q, k, v, adt, scale, S):
         parts = []                              # S: the state entering each chunk, before that chunk's decay
         for c0 in range(0, adt.shape[0], chunk_size):
             c1 = min(adt.shape[0], c0 + chunk_size)
@@ -205,8 +211,7 @@ def chunked(t: dict, cu_seqlens=None, chunk_size: int = 8) -> Evaluation:
             strictly = torch.exp(seg) * scale[c0:c1].T[:, None, :]
             strictly = strictly - torch.diag_embed(torch.diagonal(strictly, dim1=-2, dim2=-1))
             qk = torch.einsum("ihn,jhn->hij", qc, kc)
-            inner = torch.einsum("hij,jhp->ihp", qk * strictly, vc) \
-                + (gamma[c0:c1] * torch.einsum("ihn,ihn->ih", qc, kc))[:, :, None] * vc
+            inner = torch.einsum("hij,jhp->ihp", qk * strictly, vc)
             from_start = torch.exp(torch.cumsum(adt[c0:c1], dim=0))              # (Q, h)
             parts.append(inner + from_start[:, :, None] * torch.einsum("hpn,ihn->ihp", S, qc))
             to_end = torch.exp(seg[:, -1, :]) * scale[c0:c1].T                    # (h, Q)
