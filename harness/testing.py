@@ -10,6 +10,8 @@ Cases through an implementation's testing record (harness/sides/base.py `Testing
     examples_of, configs_of
 Fixed budgets of the other properties:
     examples, CONFIGS, ONE_CONFIG, SETTINGS, NO_SHRINK
+A short seeded fuzz campaign's first finding (a planted bug found by a default campaign):
+    found_by_campaign
 Compile keys (natively under a profile that searches afresh, gpu and nightly, cases come from a few of them):
     KEYS, SEED, pooled, keys, runnable_by, cases_here, cases_from_keys
 The oracles' own checks, as plain functions of a Case (so the teeth tests run the same checks on broken oracles):
@@ -52,12 +54,13 @@ from ssdiff.model.bounds import Bounds  # noqa: E402
 from ssdiff.model.strategies import cases  # noqa: E402
 from ssdiff.inputs import materialize  # noqa: E402
 from ssdiff.truth import ORACLES, call, evaluate  # noqa: E402
+from ssdiff.truth import mamba3 as mamba3_truth  # noqa: E402
 from ssdiff.verdict.judge import Verdict  # noqa: E402
 from ssdiff.sides.base import PROFILE_GROWTH, UPSTREAM, Domain, fit_case  # noqa: E402
 from ssdiff.sides.registry import all_implementations, get  # noqa: E402
 from ssdiff.examine import Examiner, Outcome  # noqa: E402
 from ssdiff.registry import known  # noqa: E402
-from ssdiff.campaign.pool import Mix, Pool  # noqa: E402
+from ssdiff.campaign.pool import POOLED_ENTRIES, Mix, Pool  # noqa: E402
 from ssdiff.tools.selfcheck import ATOL, RTOL, excess, relative  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -384,7 +387,7 @@ def cases_here(label: str, entries: Sequence[str], dtypes: Sequence[str], backwa
     properties draw from compile keys (`pooled`: `cases_from_keys`, ``fit`` as for `keys`), otherwise drawn
     freely (ssdiff.model.strategies.cases). The one way a property that launches kernels at the profile's example
     count draws its cases."""
-    if pooled():
+    if pooled() and set(entries) <= POOLED_ENTRIES:        # the entries a pool has keys for (not mamba3)
         return cases_from_keys(label, entries, dtypes, backward, bounds, fit)
     return st.sampled_from(tuple(entries)).flatmap(
         lambda entry: cases(entry=entry, dtypes=tuple(dtypes), bounds=bounds, backward=backward))
@@ -396,6 +399,23 @@ def cases_from_keys(label: str, entries: Sequence[str], dtypes: Sequence[str], b
     return st.sampled_from(tuple(dtypes)).flatmap(
         lambda dtype: st.sampled_from(keys(label, entries, dtype, backward, bounds, fit, seed)).flatmap(
             lambda key: cases(key=key, bounds=bounds, backward=backward)))
+
+
+# ---- campaigns ----------------------------------------------------------------------------------------------
+
+def found_by_campaign(spec: str, out_dir, device: str, entry: str, bounds: Bounds, max_examples: int = 100,
+                      seed: int = 3, **config):
+    """The first finding of a short fuzz campaign of ``spec`` against the oracle on ``entry`` within ``bounds``
+    (seeded, not minimized; ``config``: more FuzzConfig fields), and the campaign's report; AssertionError naming
+    how many cases it tried when it finds nothing."""
+    from ssdiff.campaign.fuzz import FuzzConfig, Fuzzer
+
+    fuzz = FuzzConfig(impl=spec, entry=entry, out_dir=str(out_dir), device=device, report_dir=None, max_time=None,
+                      max_examples=max_examples, seed=seed, minimize=config.pop("minimize", False), bounds=bounds,
+                      **config)
+    report = Fuzzer(fuzz).run()
+    assert report.exit_code == 1, f"{spec}: nothing found in {report.tried} cases ({report.stopped})"
+    return report.findings[0], report
 
 
 # ---- the oracles' own checks --------------------------------------------------------------------------------
@@ -452,7 +472,8 @@ def run_on(name: str, case: Case, tensors: dict, seq_idx=None):
 
 # ---- metamorphic laws: each holds for every oracle ---------------------------------------------------------
 
-TOKEN_TENSORS = {"chunk_scan": ("x", "dt", "B", "C", "z"), "split_conv1d": ("zxbcdt",)}
+TOKEN_TENSORS = {"chunk_scan": ("x", "dt", "B", "C", "z"), "split_conv1d": ("zxbcdt",),
+                 "mamba3": ("q", "k", "v", "dt", "adt", "trap", "angles", "z")}
 
 
 def forward_only(case: Case, **changes) -> Case:
@@ -514,22 +535,32 @@ def packed_equals_separate(case: Case, device: str):
                          RTOL, case)
 
 
+# What a split run hands on, per entry: (the input state of the second part, the first part's output it takes).
+CARRIED = {"chunk_scan": (("initial_states", "final_states"),),
+           "mamba3": tuple(zip(mamba3_truth.STATE_INPUTS, mamba3_truth.STATE_OUTPUTS))}
+
+
 def state_continuation(case: Case, device: str, split: int):
-    """Running [0, split) then [split, L) from the first part's final state equals one run (chunk_scan)."""
+    """Running [0, split) then [split, L) from the first part's final states equals one run (chunk_scan; mamba3:
+    all four states, the prefill-then-decode consistency of each order — the recurrent one steps)."""
     case = forward_only(case, return_final_states=True)
+    if case.entry == "mamba3":
+        case = case.replace(mamba3_steps=0)
     inputs = materialize(case, device)
     tensors = inputs.float64()
+    tokens, carried = TOKEN_TENSORS[case.entry], CARRIED[case.entry]
     first_case = case.replace(seqlen=split)
     second_case = case.replace(seqlen=case.seqlen - split, initial_states=True)
     for name in ORACLES:
         whole = call(name, case, tensors, None)
-        first_part = {k: (v[:, :split] if k in TOKEN_TENSORS["chunk_scan"] else v) for k, v in tensors.items()}
-        second_part = {k: (v[:, split:] if k in TOKEN_TENSORS["chunk_scan"] else v) for k, v in tensors.items()}
+        first_part = {k: (v[:, :split] if k in tokens else v) for k, v in tensors.items()}
+        second_part = {k: (v[:, split:] if k in tokens else v) for k, v in tensors.items()}
         first = call(name, first_case, first_part, None)
-        second_part["initial_states"] = first.final_states
+        second_part.update({state: first.outputs[final] for state, final in carried})
         second = call(name, second_case, second_part, None)
         assert_close(f"{name} y split at {split}", torch.cat([first.y, second.y], dim=1), whole.y, RTOL, case)
-        assert_close(f"{name} final state split at {split}", second.final_states, whole.final_states, RTOL, case)
+        for _, final in carried:
+            assert_close(f"{name} {final} split at {split}", second.outputs[final], whole.outputs[final], RTOL, case)
 
 
 def group_broadcast(case: Case, device: str):

@@ -3,7 +3,9 @@
 Each broken variant is a classic real bug:
 - group index head % ngroups instead of head // (nheads // ngroups);
 - a state that does not reset where seq_idx changes;
-- dt_limit clamped before softplus instead of after.
+- dt_limit clamped before softplus instead of after;
+- Mamba-3: the recurrent order rotating by minus the angle; the vectorized orders' trapezoid weight taken from the
+  token itself instead of the next one.
 """
 
 import math
@@ -12,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from ssdiff.truth import chunked, recurrent
+from ssdiff.truth import chunked, mamba3, recurrent
 from ssdiff.model.strategies import cases
 from ssdiff import testing
 
@@ -81,3 +83,21 @@ def test_dt_limit_before_softplus_in_the_chunked_oracle_is_caught(monkeypatch, d
     monkeypatch.setattr(chunked, "process_dt", broken)
     message = caught(testing.oracles_agree, cases(backward=False), device)
     assert "ref.chunked" in message
+
+
+def test_a_mamba3_rotation_by_minus_the_angle_is_caught(monkeypatch, device):
+    real = mamba3.rotate
+    monkeypatch.setattr(mamba3, "rotate", lambda x, theta: real(x, -theta))
+    message = caught(testing.oracles_agree, cases(entry="mamba3", backward=False), device)
+    assert "ref.quadratic" in message or "ref.chunked" in message
+
+
+def test_a_mamba3_trapezoid_weight_from_the_wrong_token_is_caught(monkeypatch, device):
+    def own_token(t, row, lo, hi, v0, k0):
+        dt, trap = t["dt"][row, lo:hi], torch.sigmoid(t["trap"][row, lo:hi])
+        gamma = dt * trap
+        carried = (dt[0] * (1 - trap[0]))[:, None, None] * v0[:, :, None] * k0[:, None, :]
+        return gamma, gamma + dt * (1 - trap), carried
+
+    monkeypatch.setattr(mamba3, "_weights", own_token)
+    caught(testing.oracles_agree, cases(entry="mamba3", backward=False), device)

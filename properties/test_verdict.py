@@ -260,6 +260,11 @@ FOLDED_CASES = [
     Case(entry="layer", batch=1, seqlen=10, nheads=2, headdim=4, dstate=3, chunk_size=4, dtype="float16", D="channel",
          has_dt_bias=True, dt_softplus=True, rmsnorm=True, d_model=4, return_final_states=False, bias=True,
          pass_="backward", seed=6),
+    Case(entry="mamba3", seqlen=11, nheads=2, ngroups=1, headdim=2, dstate=4, chunk_size=4, dtype="bfloat16",
+         has_dt_bias=False, dt_softplus=False, has_z=True, initial_states=True, segments=((4, 7),), pass_="backward",
+         final_state_grad=True, seed=9),
+    Case(entry="mamba3", batch=2, seqlen=9, nheads=2, headdim=2, dstate=4, chunk_size=4, dtype="float16",
+         has_dt_bias=False, dt_softplus=False, initial_states=True, mamba3_steps=3, seed=10),
 ]
 
 

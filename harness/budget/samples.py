@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ssdiff.budget import mamba3
 from ssdiff.budget.model import layer, mixer, scan, step_scan
 from ssdiff.budget.rounding import COMPUTE, LOW_PRECISION, Rounding, Signs, dot_precision, linear_precision
 from ssdiff.inputs import Inputs, widen
@@ -31,7 +32,7 @@ SAMPLES = 3
 # Inputs without a batch axis: a folded evaluation stacks them on a leading axis of folds (the others are
 # concatenated along the batch rows).
 PARAMETERS = frozenset({"A", "A_log", "D", "dt_bias", "conv1d_weight", "conv1d_bias", "rmsnorm_weight", "outproj_weight",
-                        "outproj_bias", "in_proj_weight", "in_proj_bias"})
+                        "outproj_bias", "in_proj_weight", "in_proj_bias", "q_bias", "k_bias"})
 
 
 # The model in the token order (a token-recurrent side's budget, harness/examine.py) keeps every token's state,
@@ -89,6 +90,9 @@ def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[s
     leaves = folded.leaves(COMPUTE, requires_grad=case.backward)
 
     def forward() -> Evaluation:
+        if case.entry == "mamba3":
+            y, finals = mamba3.scan(leaves, case, rounding, n)
+            return Evaluation({"y": y, **(finals if case.return_final_states else {})})
         if case.entry == "decode":
             P = case.prefill_len
             cut = lambda name: leaves[name][:, P:] if name in leaves else None

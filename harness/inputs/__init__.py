@@ -37,9 +37,15 @@ SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bia
 LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "in_proj_bias", "conv1d_weight", "conv1d_bias", "dt_bias", "A_log",
                         "D", "rmsnorm_weight", "outproj_weight", "outproj_bias")
 
+# The Mamba-3 scan's inputs (harness/truth/README.md, "Mamba-3"), each a leaf: the four input states too.
+MAMBA3_DIFFERENTIABLE = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "init_angle",
+                         "initial_states", "init_k", "init_v")
+
 
 def differentiable_names(case: Case) -> tuple:
     """The inputs of ``case``'s entry point that have gradients."""
+    if case.entry == "mamba3":
+        return MAMBA3_DIFFERENTIABLE
     if case.entry == "layer":
         return LAYER_DIFFERENTIABLE
     return CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
@@ -159,7 +165,7 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
         wide_order = tuple(name for name in ("z", "x", "B", "C", "dt") if name in vals)
 
     seq_idx = seq_idx_rows(case)
-    cu = cu_seqlens(case) if case.varlen_states else None
+    cu = cu_seqlens(case) if case.varlen_states or case.entry == "mamba3" else None
     return Inputs(
         case=case,
         device=device,

@@ -187,6 +187,31 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
         if case.bias:
             put("outproj_bias", normal(d_model, std=0.1), act)
         y_shape = (b, L, d_model)
+    elif case.entry == "mamba3":
+        # Mamba-3 (harness/truth/README.md): q, k over the ngroups B/C heads (dstate = headdim_qk), v per head
+        # (headdim = headdim_v), DT the processed dt (softplus'd above), ADT = A * DT, trap and angles raw (the
+        # kernel takes sigmoid(trap) and pi * tanh(angles)); biases, D, ADT, DT and the states but V's in float32.
+        a = (int(case.dstate * case.rope_fraction) // 2 * 2) // 2      # Case.rope_angles (a case here may be any object)
+        nseq = len(case.segments[0]) if case.segments is not None else b
+        put("q", values(b, L, g, n), act)
+        put("k", values(b, L, g, n), act)
+        put("v", values(b, L, h, p), act)
+        put("dt", dt_raw, torch.float32)
+        put("adt", dt_raw.to(torch.float32).to(torch.float64) * A, torch.float32)
+        put("trap", normal(b, L, h), act)
+        put("q_bias", normal(h, n, std=0.5), torch.float32)
+        put("k_bias", normal(h, n, std=0.5), torch.float32)
+        put("angles", normal(b, L, h, a), act)
+        if case.D == "head":
+            put("D", normal(h), torch.float32)
+        if case.has_z:
+            put("z", values(b, L, h, p), act)
+        if case.initial_states:
+            put("init_angle", uniform(nseq, h, a, hi=2 * math.pi), torch.float32)
+            put("initial_states", normal(nseq, h, p, n) * r.scale, torch.float32)
+            put("init_k", normal(nseq, h, n) * r.scale, torch.float32)
+            put("init_v", values(nseq, h, p), act)
+        y_shape = (b, L, h, p)
     else:
         dim, conv_ch = case.dim, case.conv_channels
         zx0 = values(b, L, 2 * case.d_nonssm)
@@ -206,7 +231,7 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
             if case.outproj_bias:
                 put("outproj_bias", normal(case.out_dim, std=0.1), act)
         y_shape = (b, L, case.out_dim if case.out_dim is not None else width)
-    if case.initial_states:
+    if case.initial_states and case.entry != "mamba3":
         put("initial_states", normal(b, h, p, n) * r.scale, torch.float32)
 
     grad_outputs = {}
@@ -217,5 +242,6 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
             real = torch.arange(L)[None, :] < torch.tensor([L - pad for pad in case.padding])[:, None]
             grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2)).to(device)
         if case.final_state_grad:
-            grad_outputs["final_states"] = normal(b, h, p, n).to(device).to(torch.float32).to(torch.float64)
+            rows = len(case.segments[0]) if case.entry == "mamba3" and case.segments is not None else b
+            grad_outputs["final_states"] = normal(rows, h, p, n).to(device).to(torch.float32).to(torch.float64)
     return vals, dtypes, grad_outputs

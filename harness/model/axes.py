@@ -3,7 +3,7 @@
 
 Labels: batch, token, chunk, head, group, seq (one varlen sequence), channel (the mixer's packed channels),
 and the ones a budget cell reduces: p (headdim), n (dstate), i / j (positions in a chunk), tap (conv), out
-(out_proj rows), model (the layer's d_model inputs of in_proj). A channel axis lists, per channel, its part and the head or group it belongs to.
+(out_proj rows), model (the layer's d_model inputs of in_proj), angle (a Mamba-3 rotary pair). A channel axis lists, per channel, its part and the head or group it belongs to.
 
     axes_of(kind, name, case)          the TensorAxes of output / grad / stage ``name``
     owner(axis, i, axes)               the head or group (and channel part) position i along an axis belongs to
@@ -25,7 +25,7 @@ HEAD_PARTS = ("z", "x", "dt", "ssm")
 GROUP_PARTS = ("B", "C")
 
 # Axes whose coordinate is the index itself.
-_PLAIN = ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out", "model")
+_PLAIN = ("batch", "seq", "chunk", "group", "p", "n", "i", "j", "tap", "out", "model", "angle")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,20 @@ def channel_parts(case: Case, parts) -> tuple:
     return tuple(out)
 
 
+# The mamba3 entry's outputs and inputs (harness/truth/mamba3.py); its states lead with the sequence (a batch row,
+# or a cu_seqlens sequence).
+MAMBA3_AXES = {
+    "y": ("batch", "token", "head", "p"), "v": ("batch", "token", "head", "p"), "z": ("batch", "token", "head", "p"),
+    "q": ("batch", "token", "group", "n"), "k": ("batch", "token", "group", "n"),
+    "dt": ("batch", "token", "head"), "adt": ("batch", "token", "head"), "trap": ("batch", "token", "head"),
+    "angles": ("batch", "token", "head", "angle"), "q_bias": ("head", "n"), "k_bias": ("head", "n"), "D": ("head",),
+    "final_angle": ("seq", "head", "angle"), "init_angle": ("seq", "head", "angle"),
+    "final_states": ("seq", "head", "p", "n"), "initial_states": ("seq", "head", "p", "n"),
+    "final_k": ("seq", "head", "n"), "init_k": ("seq", "head", "n"),
+    "final_v": ("seq", "head", "p"), "init_v": ("seq", "head", "p"),
+}
+
+
 def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
     """The axes of output / grad / stage ``name`` for ``case`` (the oracle's layouts)."""
     gn = case.ngroups * case.dstate
@@ -60,6 +74,8 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
     conv_parts = (("x", case.dim), ("B", gn), ("C", gn))
     zxbcdt_parts = ((("swiglu", 2 * case.d_nonssm),) if case.d_nonssm else ()) + (("z", case.dim),) + conv_parts \
         + (("dt", case.nheads),)
+    if case.entry == "mamba3" and name in MAMBA3_AXES:
+        return TensorAxes(MAMBA3_AXES[name])
     if case.entry == "layer":
         # the layer's own tensors: its input and output (d_model channels), in_proj (zxbcdt channels x d_model)
         if name in ("y", "u") and kind in ("output", "grad", "stage"):

@@ -23,6 +23,14 @@ Two entry points are described:
   layer returns only its output: no final states, no initial states (none of the three layers has learnable
   initial states). With ``layer_steps`` k > 0 the last k tokens are decoded one at a time through the layer's
   step() and its inference cache, after a prefill of the others: the same output, reached through the cache.
+- ``mamba3``: the Mamba-3 SISO scan ``mamba3_siso_combined(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z,
+  Input_States, chunk_size, return_final_states, cu_seqlens)`` (harness/truth/README.md, "Mamba-3"). The sizes
+  read: ngroups is nheads_qk (the B/C heads Q and K are shared over), dstate is headdim_qk (even), headdim is
+  headdim_v; D is "none" or "head"; segments (batch 1) are cu_seqlens, where a length may be 0 (an empty
+  sequence: its final states are its input states); initial_states gives all four input states
+  (angle, SSM, K, V). Its own fields: ``rope_fraction`` (0.5 or 1: the rotated share of headdim_qk) and
+  ``mamba3_steps`` k: the last k tokens go one at a time through the step function after a prefill of the others
+  that returns its four states (forward only, no segments): the same output, reached through the step.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode", "layer")
+ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode", "layer", "mamba3")
 DTYPES = ("float32", "float16", "bfloat16")
 D_MODES = ("none", "head", "channel")
 DECAYS = ("none", "mild", "typical", "strong")
@@ -119,6 +127,9 @@ class Case:
     # the layer decoding: the last layer_steps tokens one at a time through the layer's step() and its inference
     # cache, after a prefill of the others that fills the cache (0: the whole sequence in one forward)
     layer_steps: int = 0
+    # the mamba3 entry: the rotated share of headdim_qk (dstate), and the last tokens decoded by the step function
+    rope_fraction: float = 0.5
+    mamba3_steps: int = 0
     # how values are drawn, which pass, which seed
     regime: Regime = field(default_factory=Regime)
     pass_: str = "forward"
@@ -174,6 +185,11 @@ class Case:
         return self.seqlen - self.decode_steps
 
     @property
+    def rope_angles(self) -> int:
+        """The mamba3 entry's rotary angles per head: pairs of headdim_qk rotated (the rotated share, even)."""
+        return (int(self.dstate * self.rope_fraction) // 2 * 2) // 2
+
+    @property
     def dt_limit_or_default(self) -> tuple[float, float]:
         return self.dt_limit if self.dt_limit is not None else (0.0, math.inf)
 
@@ -190,6 +206,8 @@ class Case:
             if f.name in DECODE_FIELDS and self.entry != "decode":
                 continue                # other entries' JSON stays as it was before the decode entry
             if f.name in LAYER_FIELDS and self.entry != "layer":
+                continue
+            if f.name in MAMBA3_FIELDS and self.entry != "mamba3":
                 continue
             value = getattr(self, f.name)
             if f.name == "regime":
@@ -282,6 +300,10 @@ class Case:
                 feats.append("rmsnorm" + ("(before gate)" if self.norm_before_gate else "(after gate)"))
             if self.out_dim is not None:
                 feats.append(f"out_proj={self.out_dim}" + ("+bias" if self.outproj_bias else ""))
+        if self.entry == "mamba3":
+            feats.append(f"rope={self.rope_fraction:g}")
+            if self.mamba3_steps:
+                feats.append(f"steps={self.mamba3_steps}")
         if self.entry == "decode":
             feats.append(f"steps={self.decode_steps}")
             if self.state_dtype != "float32":
@@ -306,10 +328,11 @@ class Case:
 
 DECODE_FIELDS = ("decode_steps", "state_dtype", "state_batch_indices")
 LAYER_FIELDS = ("d_model", "bias", "conv_bias", "layer_steps")
+MAMBA3_FIELDS = ("rope_fraction", "mamba3_steps")
 _REQUIRED_IN_JSON = ("entry", "batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "dtype")
 
 _INT_FIELDS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk_size", "conv_width",
-               "d_nonssm", "seq_idx_start", "seed", "decode_steps", "d_model", "layer_steps"}
+               "d_nonssm", "seq_idx_start", "seed", "decode_steps", "d_model", "layer_steps", "mamba3_steps"}
 _BOOL_FIELDS = {"has_z", "has_dt_bias", "dt_softplus", "initial_states", "varlen_states", "return_final_states",
                 "rmsnorm", "norm_before_gate", "outproj_bias", "final_state_grad",
                "state_batch_indices", "bias", "conv_bias"}
@@ -367,6 +390,7 @@ def _violations(c: Case):
             yield f"dt_limit={list(lo_hi)} must satisfy 0 <= low < high"
 
     yield from _segment_violations(c)
+    yield from _mamba3_violations(c)
 
     if c.varlen_states:
         if c.segments is None:
@@ -438,6 +462,39 @@ def _violations(c: Case):
             yield "outproj_bias=true needs out_dim"
 
 
+def _mamba3_violations(c: Case):
+    """The mamba3 entry's rules (and its fields' defaults elsewhere)."""
+    if c.entry != "mamba3":
+        for name, default in (("rope_fraction", 0.5), ("mamba3_steps", 0)):
+            if getattr(c, name) != default:
+                yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'mamba3'"
+        return
+    if c.rope_fraction not in (0.5, 1.0):
+        yield f"rope_fraction={c.rope_fraction!r} must be 0.5 or 1"
+    elif c.dstate % 2 or c.rope_angles < 1:
+        yield f"dstate={c.dstate} (headdim_qk) must be even with at least one rotated pair at rope_fraction {c.rope_fraction:g}"
+    if c.has_dt_bias or c.dt_softplus or c.dt_limit is not None:
+        yield "has_dt_bias / dt_softplus / dt_limit: the mamba3 entry takes DT already processed; all must be off"
+    if c.D == "channel":
+        yield "D: the mamba3 entry's D is per head ('none' or 'head')"
+    if c.padding is not None or c.seq_idx_start or c.varlen_states:
+        yield "padding / seq_idx_start / varlen_states: the mamba3 entry's sequences are cu_seqlens (segments only)"
+    if c.segments is not None and c.batch != 1:
+        yield f"segments: the mamba3 entry packs sequences as cu_seqlens, batch must be 1, got {c.batch}"
+    if c.regime.layout != "contiguous":
+        yield "regime.layout: the mamba3 entry is contiguous"
+    if any(getattr(c, name) != default for name, default in (
+            ("d_nonssm", 0), ("rmsnorm", False), ("out_dim", None), ("outproj_bias", False))):
+        yield "d_nonssm / rmsnorm / out_dim / outproj_bias are only meaningful for entry 'split_conv1d'"
+    if not 0 <= c.mamba3_steps <= c.seqlen:
+        yield f"mamba3_steps={c.mamba3_steps} must satisfy 0 <= mamba3_steps <= seqlen={c.seqlen}"
+    elif c.mamba3_steps:
+        if c.segments is not None:
+            yield "mamba3_steps: a decoded sequence is one per batch row (no segments)"
+        if c.pass_ != "forward":
+            yield "mamba3_steps: decoding is forward only (the step function has no backward)"
+
+
 def _segment_violations(c: Case):
     if c.segments is None:
         if c.padding is not None:
@@ -461,9 +518,11 @@ def _segment_violations(c: Case):
         if not isinstance(lengths, tuple) or not lengths:
             yield f"segments[{row}]: expected a non-empty list of lengths, got {lengths!r}"
             return
+        least = 0 if c.entry == "mamba3" else 1         # cu_seqlens may hold an empty sequence
         for length in lengths:
-            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-                yield f"segments[{row}]: every length must be a positive integer, got {length!r}"
+            if not isinstance(length, int) or isinstance(length, bool) or length < least:
+                yield (f"segments[{row}]: every length must be a {'non-negative' if least == 0 else 'positive'} "
+                       f"integer, got {length!r}")
                 return
         if sum(lengths) + pad != c.seqlen:
             yield (f"segments[{row}]={list(lengths)} plus padding {pad} sum to {sum(lengths) + pad}, "
@@ -514,7 +573,7 @@ def _coerce(name: str, value):
         if not isinstance(value, list):
             raise CaseError(f"{name}: expected a list, got {value!r}")
         return _lists_to_tuples(value)
-    if name in ("rmsnorm_eps",) and isinstance(value, int) and not isinstance(value, bool):
+    if name in ("rmsnorm_eps", "rope_fraction") and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
 

@@ -108,7 +108,7 @@ FEATURES = (
             _no_swiglu, stage="normed"),
     Feature("z", "z", "no z", lambda c: c.has_z, lambda c: c.replace(has_z=False), stage="gated"),
     # the scan's D is optional; the mixer always takes one, per head or per channel
-    Feature("D", "D", "D none", lambda c: c.entry in ("chunk_scan", "decode") and c.D != "none",
+    Feature("D", "D", "D none", lambda c: c.entry in ("chunk_scan", "decode", "mamba3") and c.D != "none",
             lambda c: c.replace(D="none"), stage="skip"),
     Feature("D_channel", "per-channel D", "D per head",
             lambda c: c.entry in ("split_conv1d", "layer") and c.D == "channel",
@@ -127,6 +127,14 @@ FEATURES = (
             lambda c: c.replace(decode_steps=1)),
     Feature("layer_steps", "decoding through the layer's step() and its cache", "the whole sequence in one forward",
             lambda c: c.layer_steps > 0, lambda c: c.replace(layer_steps=0)),
+    # the mamba3 entry: the last tokens through the step function, the whole of headdim_qk rotated
+    Feature("mamba3_steps", "decoding through the step function from the prefill's four states",
+            "the whole sequence in one forward", lambda c: c.mamba3_steps > 0, lambda c: c.replace(mamba3_steps=0)),
+    Feature("rope_full", "rope_fraction 1 (all of headdim_qk rotated)", "rope_fraction 1/2",
+            lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5)),
+    Feature("empty_sequence", "an empty sequence in cu_seqlens", "no empty sequence",
+            lambda c: c.entry == "mamba3" and c.segments is not None and 0 in c.segments[0],
+            lambda c: c.replace(segments=(tuple(n for n in c.segments[0] if n) or (c.seqlen,),))),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),

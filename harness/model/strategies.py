@@ -185,6 +185,8 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     if key is not None:
         entry, dtypes, layouts = key.entry, (key.dtype,), (key.layout,)
     entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))    # decode only when asked for
+    if entry == "mamba3":
+        return draw(mamba3_cases(dtypes, bounds, backward))
     pin = key.pinned if key is not None else None
     shape = draw(shapes(bounds, boundary, key))
     fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
@@ -213,5 +215,36 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
         # decode the last tokens through the layer's step() and its cache (forward, one sequence per row; a key
         # pins how many, and its seqlen leaves a prefill)
         fields["layer_steps"] = steps or draw(st.integers(1, min(4, shape["seqlen"] - 1)))
+    fields["seed"] = draw(st.integers(0, 2**16))
+    return Case(**fields)
+
+
+@st.composite
+def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bounds(),
+                 backward: Optional[bool] = None) -> Case:
+    """A valid Case of the mamba3 entry: ngroups (nheads_qk) a divisor of nheads, an even dstate (headdim_qk) with
+    a rotated pair at the drawn rope fraction, D per head or none, z, the four initial states, cu_seqlens
+    (segments, batch 1, sometimes with an empty sequence), and, forward, the last tokens through the step function (``mamba3_steps``)."""
+    shape = draw(shapes(bounds))
+    rope = draw(st.sampled_from((0.5, 1.0)))
+    least = 2 if rope == 1.0 else 4
+    shape["dstate"] = max(least, shape["dstate"] // 2 * 2)
+    fields = dict(entry="mamba3", dtype=draw(st.sampled_from(tuple(dtypes))), rope_fraction=rope,
+                  has_dt_bias=False, dt_softplus=False, D=draw(st.sampled_from(("head", "none"))),
+                  has_z=draw(st.booleans()), initial_states=draw(st.booleans()),
+                  return_final_states=draw(st.booleans()), **shape)
+    if shape["batch"] == 1:
+        fields.update({k: v for k, v in draw(sequence_layout(1, shape["seqlen"], shape["chunk_size"],
+                                                             allow_padding=False)).items() if k == "segments"})
+        if "segments" in fields and draw(st.booleans()):      # an empty sequence somewhere in cu_seqlens
+            row = fields["segments"][0]
+            at = draw(st.integers(0, len(row)))
+            fields["segments"] = (row[:at] + (0,) + row[at:],)
+    fields["regime"] = draw(regimes(("contiguous",)))
+    if draw(st.booleans()) if backward is None else backward:
+        fields["pass_"] = "backward"
+        fields["final_state_grad"] = fields["return_final_states"] and draw(st.booleans())
+    elif "segments" not in fields and draw(st.booleans()):
+        fields["mamba3_steps"] = draw(st.integers(1, min(4, shape["seqlen"])))
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

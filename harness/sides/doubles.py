@@ -27,6 +27,13 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
   dtype between steps), as a selective-state-update kernel computes it. With ``bug=`` one planted mistake:
     "no_decay"      the state is not decayed before the update (state + dt B x instead of exp(dt A) state + ...);
     "group_heads"   each head reads B and C from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``.
+- `Mamba3Kernel`: the Mamba-3 SISO scan in float32 (mamba3 entry): chunks within each sequence with the carried
+  state and angle (reduced mod 2 pi between chunks and steps), then the step recurrence for ``mamba3_steps`` tokens from the prefill's four states, as
+  mamba3_siso_combined and mamba3_siso_step divide the work. With ``bug=`` one planted mistake:
+    "trap_shift"    the trapezoid's second weight taken from the token itself, dt_s (1 - lambda_s), instead of the
+                    next one's, dt_s+1 (1 - lambda_s+1) (a weight off by one token);
+    "angle_restart" the angle cumsum restarts at each chunk (the carried angle dropped past the first);
+    "step_drops_k"  each step forgets the K state it carries (the previous token's rotated k read as zero).
 - `DotSensitive`: the toy kernel with y off by 10% unless TRITON_F32_DEFAULT=ieee in its process (what TF32's loss
   looks like to the TF32 replay).
 - `Misbehaving`: calls os.abort(), sleeps forever, raises, or runs out of device memory — optionally only when
@@ -55,6 +62,7 @@ from ssdiff.model.evaluation import Evaluation, evaluate_graph
 from ssdiff.sides.base import Capabilities, Implementation
 from ssdiff.inputs import Inputs
 from ssdiff.model.dtypes import torch_dtype
+from ssdiff.truth import mamba3
 from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
@@ -353,6 +361,83 @@ class StepKernel(_Float32Implementation):
         return outputs, {}
 
 
+MAMBA3_BUGS = (None, "trap_shift", "angle_restart", "step_drops_k")
+
+
+class Mamba3Kernel(_Float32Implementation):
+    """The Mamba-3 SISO scan in float32, chunked, and stepped for the last ``mamba3_steps`` tokens."""
+
+    def __init__(self, bug=None):
+        if bug not in MAMBA3_BUGS:
+            raise ValueError(f"bug must be one of {MAMBA3_BUGS}, got {bug!r}")
+        self.bug = bug
+        self.name = f"double.mamba3{'.' + bug if bug else ''}"
+        self.description = f"float32 Mamba-3 SISO scan{' with a planted bug: ' + bug if bug else ''}"
+        self.capabilities = Capabilities(entries=frozenset({"mamba3"}))
+
+    def compute(self, case, t, inputs):
+        b, L, h, p = t["v"].shape
+        g, n, a = t["q"].shape[2], t["q"].shape[3], t["angles"].shape[3]
+        heads = [i // (h // g) for i in range(h)]
+        prefill = L - case.mamba3_steps
+        ys, finals = t["v"].new_zeros(b, L, h, p), []
+        for s, (row, lo, hi) in enumerate(mamba3.sequences(b, L, mamba3.bounds_of(case))):
+            zeros = t["v"].new_zeros
+            states = tuple(t[k][s] for k in mamba3.STATE_INPUTS) if case.initial_states else \
+                (zeros(h, a), zeros(h, p, n), zeros(h, n), zeros(h, p))
+            mid = max(lo, min(hi, prefill))
+            for c0 in range(lo, mid, case.chunk_size):
+                states = self._chunk(t, row, c0, min(mid, c0 + case.chunk_size), mid, states, heads, ys, c0 == lo)
+            for i in range(mid, hi):
+                if self.bug == "step_drops_k":
+                    states = states[:2] + (torch.zeros_like(states[2]), states[3])
+                ys[row, i], states = mamba3.step(t, row, i, states, heads)
+                states = (torch.remainder(states[0], 2 * math.pi),) + states[1:]      # as the step kernel keeps it
+            finals.append(states)
+        y = ys + (t["D"][:, None] * t["v"] if "D" in t else 0.0)
+        if "z" in t:
+            y = y * F.silu(t["z"])
+        outputs = {"y": y}
+        if case.return_final_states:
+            theta, S, k, v = (torch.stack(parts) for parts in zip(*finals))
+            outputs.update(final_angle=torch.remainder(theta, 2 * math.pi), final_states=S, final_k=k,
+                           final_v=v.to(torch_dtype(case)))
+        return outputs, {}
+
+    def _chunk(self, t, row, c0, c1, end, states, heads, ys, first):
+        """Tokens [c0, c1) of ``row`` (its sequence's prefill ends at ``end``) into ``ys``; the states after them."""
+        theta, S, k_prev, v_prev = states
+        dt, lam = t["dt"][row, c0:c1], torch.sigmoid(t["trap"][row, c0:c1])
+        nxt = min(c1 + 1, end)
+        dt_next, lam_next = t["dt"][row, c0 + 1:nxt], torch.sigmoid(t["trap"][row, c0 + 1:nxt])
+        if self.bug == "trap_shift":
+            dt_next, lam_next = dt[:nxt - c0 - 1], lam[:nxt - c0 - 1]
+        second = torch.cat([dt_next * (1 - lam_next), dt.new_zeros(c1 - c0 - dt_next.shape[0], dt.shape[1])])
+        if first:                                   # the first token's carried-in term
+            S = S + (dt[0] * (1 - lam[0]))[:, None, None] * v_prev[:, :, None] * k_prev[:, None, :]
+        if self.bug == "angle_restart" and not first:
+            theta = torch.zeros_like(theta)
+        angle = theta + torch.cumsum(math.pi * torch.tanh(t["angles"][row, c0:c1]) * dt[..., None], dim=0)
+        qp, kp = t["q"][row, c0:c1][:, heads] + t["q_bias"], t["k"][row, c0:c1][:, heads] + t["k_bias"]
+        q, k = mamba3.rotate(qp, angle), mamba3.rotate(kp, angle)                      # (T, h, n)
+        v = t["v"][row, c0:c1]
+        adt = torch.cumsum(t["adt"][row, c0:c1], dim=0)                                # (T, h)
+        T = c1 - c0
+        mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=v.device))
+        decay = torch.exp(torch.where(mask[..., None], adt[:, None] - adt[None], torch.full_like(adt[:, None] - adt[None],
+                                                                                            -math.inf)))
+        # a token's own term from the unrotated q.k (one rotation turns both), as the kernels take it
+        weight = torch.where(torch.eye(T, dtype=torch.bool, device=v.device)[..., None], 0.0,
+                             decay * (dt * lam + second)[None])                        # (i, j, h)
+        ys[row, c0:c1] = torch.einsum("ijh,ihn,jhn,jhp->ihp", weight, q, k, v) \
+            + (dt * lam * (qp * kp).sum(-1))[..., None] * v + torch.exp(adt)[..., None] * torch.einsum("hpn,ihn->ihp", S, q)
+        to_end = torch.exp(adt[-1] - adt) * (dt * lam + second)                       # (T, h)
+        S = torch.exp(adt[-1])[:, None, None] * S + torch.einsum("jh,jhp,jhn->hpn", to_end, v, k)
+        # the angle handed on reduced mod 2 pi, as the kernels carry it: unreduced, float32's absolute error grows
+        # with it (dt > 20 turns a pair by up to 20 pi a token)
+        return torch.remainder(angle[-1], 2 * math.pi), S, k[-1], v[-1]
+
+
 MISBEHAVIOURS = ("abort", "hang", "raise", "oom")
 
 
@@ -421,6 +506,10 @@ recurrent_fp32 = LowPrecisionOracle("ref.recurrent")
 step = StepKernel()
 step_no_decay_bug = StepKernel("no_decay")
 step_group_bug = StepKernel("group_heads")
+mamba3_kernel = Mamba3Kernel()
+mamba3_trap_shift_bug = Mamba3Kernel("trap_shift")
+mamba3_angle_restart_bug = Mamba3Kernel("angle_restart")
+mamba3_step_drops_k_bug = Mamba3Kernel("step_drops_k")
 aborts = Misbehaving("abort")
 hangs = Misbehaving("hang")
 raises = Misbehaving("raise")

@@ -1,4 +1,5 @@
-"""The oracle self-check: the three float64 oracles on a fixed set of cases spanning every feature, with the
+"""The oracle self-check: the three float64 oracles on a fixed set of cases spanning every feature of every family
+(Mamba-2's entries, then Mamba-3's), with the
 largest disagreement over outputs, gradients and stages. Float64 evaluation orders agree to ~1e-15; the check
 (and the property suite) holds them to rtol 1e-10, atol 1e-13."""
 
@@ -31,6 +32,17 @@ BUILTIN_CASES = (
          segments=((6, 7), (13,)), pass_="backward", final_state_grad=True),
     Case(entry="split_conv1d", batch=1, seqlen=24, nheads=6, ngroups=3, headdim=4, dstate=8, chunk_size=8,
          rmsnorm=True, D="channel", regime=Regime(decay="mild", layout="strided"), pass_="backward"),
+) + (
+    # Mamba-3 (the mamba3 entry): GQA with z, D and all four initial states, backward through the final states;
+    # cu_seqlens with a full rope and a strong decay; prefill-then-step with chunks the sequence does not fill
+    Case(entry="mamba3", batch=2, seqlen=21, nheads=4, ngroups=2, headdim=3, dstate=8, chunk_size=8,
+         has_dt_bias=False, dt_softplus=False, has_z=True, initial_states=True, pass_="backward",
+         final_state_grad=True),
+    Case(entry="mamba3", seqlen=19, nheads=4, ngroups=1, headdim=4, dstate=6, chunk_size=4, rope_fraction=1.0,
+         has_dt_bias=False, dt_softplus=False, D="none", initial_states=True, segments=((5, 9, 5),),
+         regime=Regime(decay="strong"), pass_="backward"),
+    Case(entry="mamba3", batch=2, seqlen=13, nheads=2, headdim=4, dstate=4, chunk_size=8, has_dt_bias=False,
+         dt_softplus=False, initial_states=True, mamba3_steps=4, regime=Regime(decay="mild", values="integer")),
 )
 
 

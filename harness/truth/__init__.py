@@ -6,6 +6,8 @@
 
 They share no code with any kernel they judge, nor with each other's scan. `evaluate` runs one on a Case.
 
+The mamba3 entry: harness/truth/mamba3.py, the Mamba-3 SISO scan in the same three orders.
+
 The layer entry: harness/truth/layer.py puts in_proj (and A = -exp(A_log)) in front of the mixer.
 
 The decode entry: each order runs the decoded tokens [seqlen - decode_steps, seqlen) from the prefill's state
@@ -21,7 +23,7 @@ import torch
 
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
-from ssdiff.truth import chunked, layer, mixer, quadratic, recurrent
+from ssdiff.truth import chunked, layer, mamba3, mixer, quadratic, recurrent
 from ssdiff.model.stages import STAGE_ORDER
 
 SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.chunked": chunked.scan}
@@ -34,6 +36,8 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
     """Run oracle ``name`` on float64 ``tensors`` (as made by Inputs.float64) for ``case``: every output it
     computes ("y", "final_states", "varlen_states" — None where the case has none) and the stages."""
     scan = SCANS[name]
+    if case.entry == "mamba3":
+        return mamba3.call(name, case, tensors)
     if case.entry == "decode":
         return decode(scan, case, tensors)
     if case.entry == "layer":
@@ -89,6 +93,8 @@ def asked_outputs(case: Case, res: Evaluation) -> dict:
         outputs["final_states"] = res.outputs["final_states"]
     if case.varlen_states:
         outputs["varlen_states"] = res.outputs["varlen_states"]
+    if case.entry == "mamba3" and case.return_final_states:
+        outputs.update({name: res.outputs[name] for name in mamba3.STATE_OUTPUTS})
     return outputs
 
 

@@ -47,7 +47,7 @@ def expected_dtype(kind: str, name: str, case: Case, inputs: Inputs) -> Optional
     if kind == "output":
         if name == "final_states" and case.entry == "decode":
             return TORCH_DTYPES[case.state_dtype]      # a step kernel updates its state in place, in its dtype
-        return torch_dtype(case) if name == "y" else torch.float32
+        return torch_dtype(case) if name == "y" or (case.entry == "mamba3" and name == "final_v") else torch.float32
     if kind == "grad":
         return inputs.dtypes.get(name)
     return None

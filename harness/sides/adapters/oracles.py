@@ -21,7 +21,7 @@ DESCRIPTIONS = {
 
 
 class OracleImplementation(Implementation):
-    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode", "layer"}),
+    capabilities = Capabilities(entries=frozenset({"chunk_scan", "split_conv1d", "decode", "layer", "mamba3"}),
                                 stages=truth.STAGE_ORDER)
 
     def __init__(self, name: str):
