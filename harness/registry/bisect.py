@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,7 +83,13 @@ class Bisection:
     def to_dict(self) -> dict:
         return {"package": self.package, "range": [self.releases[0], self.releases[-1]] if self.releases else [],
                 "first_bad": self.first_bad, "first_good": self.first_good,
-                "probes": [{"release": p.release, "verdict": p.verdict, "ratio": p.ratio} for p in self.tested]}
+                "probes": [{"release": p.release, "verdict": p.verdict, "ratio": p.ratio,
+                            **({"why": _no_paths(p.detail)} if p.verdict == NA else {})} for p in self.tested]}
+
+
+def _no_paths(text: str) -> str:
+    """``text`` without this machine's directories ('/x/y/site-packages/triton/a.py' -> 'a.py')."""
+    return re.sub(r"(?<![\w.])/(?:[^\s/]+/)+", "", text)
 
 
 def cache_root() -> Path:
@@ -410,6 +417,6 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Target", "target", "Bisection", "Probe", "BisectError", "bisect", "search", "in_range", "install", "install_command",
-           "replay_in", "classify", "cached", "cache_root", "release_dir", "stored", "store", "verdict_at", "BAD", "GOOD", "NA",
-           "LINEAR"]
+__all__ = ["Target", "target", "Bisection", "Probe", "BisectError", "bisect", "search", "in_range", "install",
+           "install_command", "replay_in", "classify", "cached", "cache_root", "release_dir", "stored", "store",
+           "verdict_at", "BAD", "GOOD", "NA", "LINEAR"]
