@@ -625,9 +625,47 @@ def cmd_known(args) -> int:
         version = known.installed_version(d.package)
         installed = f"{d.package} {version} {'affected' if d.affects(version) else 'not affected'}" if version \
             else f"{d.package} not installed"
-        console.print(f"{d.id} ({d.status}): {', '.join(d.implementations)}; {d.releases}; {installed}\n"
-                      f"  {d.statement}\n  reproduce: {d.replay_command()}", highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(f"{d.id} ({d.status}; {d.severity}): {', '.join(d.implementations)}; {d.releases}; "
+                      f"{installed}\n  {d.statement}\n  upstream: {d.upstream}\n  reproduce: {d.replay_command()}",
+                      highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def cmd_bisect(args) -> int:
+    """Which releases of a package a case diverges on (harness/registry/bisect.py): a table of the releases probed
+    (release, verdict, ratio) and the first bad and first good release."""
+    import time
+
+    from ssdiff.examine import UsageError
+    from ssdiff.registry import bisect
+
+    start = time.perf_counter()
+    try:
+        what = bisect.target(args.target, args.impl, args.package)
+        if args.store and what.record is None:
+            raise bisect.BisectError("--store needs a known defect's id (its result goes to reports/findings/ID/)")
+        console.print(f"bisect {what.package} {args.releases or '(every release)'} for {what.impl} on {args.target}",
+                      highlight=False, soft_wrap=True)
+
+        def show(probe):
+            ratio = f"{probe.ratio:.3g}" if probe.ratio is not None else "-"
+            console.print(f"  {probe.release:<14} {probe.verdict:<5} {ratio:>10}  {probe.seconds:6.1f} s  "
+                          f"{probe.detail}", highlight=False, markup=False, soft_wrap=True)
+
+        result = bisect.bisect(what.case_json, what.impl, what.package, args.releases, what.hint, args.offline,
+                               args.device, show, what.raises)
+    except bisect.BisectError as err:
+        raise UsageError(str(err)) from None
+    console.rule("releases probed")
+    console.print(f"{'release':<14} {'verdict':<7} {'ratio':>10}", highlight=False)
+    for probe in result.tested:
+        ratio = f"{probe.ratio:.3g}" if probe.ratio is not None else "-"
+        console.print(f"{probe.release:<14} {probe.verdict:<7} {ratio:>10}", highlight=False)
+    console.print(f"first bad: {result.first_bad or 'none in the range'}; first good: "
+                  f"{result.first_good or 'none in the range'} ({len(result.tested)} of {len(result.releases)} "
+                  f"releases probed, {time.perf_counter() - start:.0f} s)", highlight=False)
+    if args.store:
+        console.print(f"-> {bisect.store(what.record, result)}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -684,6 +722,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "reports/findings/ID/, print its path and exit")
     p.add_argument("--out", metavar="FILE", help="with --repro: write it to FILE (default: reports/findings/ID/repro.py)")
     p.set_defaults(func=cmd_known)
+    p = sub.add_parser("bisect", help="which releases of a package a known defect's example or a case diverges on")
+    p.add_argument("target", metavar="FINDING|CASE.json", help="a known defect's id (its example) or a case file")
+    p.add_argument("--impl", metavar="NAME", help="the implementation (default: the record's first)")
+    p.add_argument("--package", help="the package whose releases are bisected (default: the record's, else mamba-ssm)")
+    p.add_argument("--releases", metavar="A..B", help="only releases from A to B (either end optional)")
+    p.add_argument("--offline", action="store_true", help="only releases already in the release cache")
+    p.add_argument("--device", type=_device, default=None)
+    p.add_argument("--store", action="store_true", help="write the result to reports/findings/ID/bisect.json")
+    p.set_defaults(func=cmd_bisect)
     p = sub.add_parser("report", help="render saved runs (fuzz output directories) as self-contained HTML pages")
     p.add_argument("runs", nargs="+", metavar="DIR", help="a saved run: summary.json and divergence-*/ folders")
     p.add_argument("--reports", default=None, metavar="ROOT",

@@ -9,6 +9,7 @@ checkout on its path, mamba_ssm the installed one or a release installed beside 
 .venv/mamba-releases/<version>/; see properties/test_upstream.py::test_release_runs_its_properties).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ from ssdiff import exits
 from ssdiff.cli import main
 from ssdiff.registry import findings
 from ssdiff.reproduce import repro
-from ssdiff.registry.known import BY_ID, DEFECTS, installed_version
+from ssdiff.registry.known import BY_ID, DEFECTS, UNREPORTED, installed_version, record_problems
 
 FINDINGS = [d for d in DEFECTS if findings.is_finding(d)]
 
@@ -201,9 +202,35 @@ def test_render_names_a_finding_not_computed_and_refuses_one_without_a_draft(tmp
         findings.render(root=tmp_path)
 
 
-def test_the_other_records_are_listed_with_their_status():
+@pytest.mark.parametrize("defect", DEFECTS, ids=lambda d: d.id)
+def test_every_record_carries_a_severity_a_status_and_upstream_references(defect):
+    assert record_problems(defect) == [], f"{defect.id}: " + "; ".join(record_problems(defect))
+
+
+def test_a_record_without_a_severity_status_or_reference_is_named():
+    record = BY_ID["mamba-state-update-D-none"]
+    for change, named in ((dict(severity=""), "severity"), (dict(severity="minor"), "severity"),
+                          (dict(status="found by ssdiff"), "status"), (dict(references=()), "reported upstream"),
+                          (dict(status=UNREPORTED, references=(), searched=""), "no upstream reference"),
+                          (dict(affected=("2.0.0", "2.3.0")), "fixed release")):
+        problems = record_problems(dataclasses.replace(record, **change))
+        assert any(named in p for p in problems), (change, problems)
+
+
+def test_findings_md_opens_with_one_table_of_every_record_and_drafts_only_unreported_findings():
     text = Path(findings.CATALOGUE).read_text()
-    table = text.split("## Known, not found by ssdiff", 1)[1]
+    head = text.split("\n## ", 1)[0]
+    rows = [line for line in head.splitlines() if line.startswith("| [")]
+    assert head.count("| id | project | severity | status | affected releases | upstream |") == 1
+    assert len(rows) == len(DEFECTS)
+    for defect, row in zip(DEFECTS, rows):
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert cells[:5] == [f"[{defect.id}](#{defect.id})", defect.package, defect.severity, defect.status,
+                             defect.releases], row
+        assert cells[5] == findings.upstream_link(defect).replace("|", "\\|")
+    sections = {part.split("\n", 1)[0]: part for part in text.split("\n## ")[1:]}
+    assert set(sections) == {d.id for d in DEFECTS}
     for defect in DEFECTS:
-        if not defect.status.startswith("found by ssdiff"):
-            assert f"| {defect.id} | {defect.status} |" in table
+        assert ("### Draft upstream report" in sections[defect.id]) == (
+            findings.has_draft(defect) and findings.read_finding(defect.id)["reproduces"]), defect.id
+        assert text.count(defect.statement) <= 2, f"{defect.id}'s statement is written more than twice"

@@ -15,10 +15,13 @@ repro's exit status then, and under "repro" what repro.py says of the run: harne
 writes it beside them too, ignored by git). ``render`` (pure) writes FINDINGS.md from the registry, those files
 and DRAFTS below.
 
-A finding is a record whose status starts with "found by ssdiff", or one fixed in a release (its repro shows
-the fix: it fails on an affected release and passes on the fixed one). The other records are listed in a short
-table. DRAFTS holds, per finding, what an upstream report adds to the record: its title, what should happen,
-and where in mamba_ssm the defect lives (named from the release's source, quoting at most a line).
+A finding is a record of a defect ssdiff found (not an algorithm's own limitation: severity "by design"), or one
+fixed in a release (its repro shows the fix: it fails on an affected release and passes on the fixed one). FINDINGS.md
+opens with one table of every record (id, project, severity, status, affected releases, upstream link), then gives
+each record its section: statement and fields, and for a finding its case and repro. DRAFTS holds, per finding, what
+an upstream report adds to the record: its title, what should happen, and where upstream the defect lives (named
+from the release's source, quoting at most a line); the report itself is rendered only for a finding nobody has
+reported (status "found by ssdiff, unreported"), the others show the code path alone.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from typing import Optional
 
 from ssdiff.model.case import Case
 from ssdiff.reproduce.repro import checkout
-from ssdiff.registry.known import BY_ID, DEFECTS, KnownDefect, explains, installed_version
+from ssdiff.registry.known import (BY_DESIGN, BY_ID, DEFECTS, UNREPORTED, KnownDefect, explains,
+                                   installed_version)
 
 # The checkout the catalogue lives in: the one this package runs from, else the current directory (an installed
 # ssdiff run from a checkout).
@@ -86,7 +90,7 @@ DRAFTS = {
                   "in padding, `seq_idx_last` is -1 and every padding token of the chunk receives d(final_states) "
                   "through `_state_passing_bwd_kernel`'s `dfinal_states`."),
     "mamba-swiglu-backward-without-out-proj": Draft(
-        title="mamba_split_conv1d_scan_combined backward fails with d_nonssm > 0 unless rmsnorm_weight and "
+        title="mamba_split_conv1d_scan_combined backward raises with d_nonssm > 0 unless rmsnorm_weight and "
               "outproj_weight are both given",
         should="The backward runs whenever the forward does and returns the SwiGLU branch's gradients "
                "(d(zxbcdt)'s first 2 * d_nonssm columns and, with out_proj, d(outproj_weight)'s first d_nonssm "
@@ -95,7 +99,9 @@ DRAFTS = {
                   "`_swiglu_bwd(zx0, dout0, dxy=dzx0, recompute_output=True, out=out0_recompute)` reads "
                   "`out0_recompute`, which is assigned only when `outproj_weight is not None` "
                   "(UnboundLocalError without out_proj); without rmsnorm, `out_for_linear` is the scan's "
-                  "recomputed output alone (`rest[0]`, dim columns), so d(outproj_weight) has no SwiGLU columns."),
+                  "recomputed output alone (`rest[0]`, dim columns), so the d(outproj_weight) it returns has dim "
+                  "columns where the weight has dim + d_nonssm, and autograd raises (RuntimeError: invalid "
+                  "gradient at index 6)."),
     "mamba-ref-norm-one-channel": Draft(
         title="mamba_split_conv1d_scan_ref: AssertionError in the gated RMSNorm when nheads * headdim == 1",
         should="The reference runs for every shape the fused mamba_split_conv1d_scan_combined accepts, one channel "
@@ -108,14 +114,14 @@ DRAFTS = {
                   "than 1 (seqlen; with one token in one batch row, the stride of dt's slice of zxbcdt that the "
                   "extension's `torch::empty_like(delta)` output inherits)."),
     "mamba-softplus-backward-nan-above-20": Draft(
-        title="mamba_split_conv1d_scan_combined backward: NaN gradients of dt, dt_bias and A once dt + dt_bias "
-              "passes 20 (mamba-ssm 2.2.2)",
-        should="Above the softplus threshold the processed dt is dt itself and its gradient is the incoming one: "
-               "finite gradients, as mamba-ssm 2.3.2.post1 returns on the same case.",
-        code_path="`mamba_ssm/ops/triton/ssd_chunk_state.py` of 2.2.2: `_chunk_cumsum_fwd_kernel` and "
-                  "`_chunk_cumsum_bwd_kernel` apply `softplus(dt)` with no threshold (`dt = softplus(dt)`), where "
-                  "2.3.2.post1 has `dt = tl.where(dt <= 20.0, softplus(dt), dt)`; where exactly the NaN enters "
-                  "the 2.2.2 backward was not traced."),
+        title="mamba_split_conv1d_scan_combined backward: NaN gradients of dt, dt_bias and A with dt above 20",
+        should="Finite gradients: every decay factor exp(dA_cumsum[m] - dA_cumsum[k]) of the causal part is at most "
+               "1, and a masked-out one contributes 0.",
+        code_path="`mamba_ssm/ops/triton/ssd_chunk_scan.py`, `ssd_chunk_state.py` and `ssd_combined.py` before "
+                  "2.2.5: the kernels take `tl.exp(dA_cs_m[:, None] - dA_cs_k[None, :])` (and `dA_cs_last - "
+                  "dA_cs_k`) of the difference as it is, positive and large at the masked-out positions; 2.2.5 "
+                  "clamps every such exponent, `tl.exp(tl.minimum(..., 0.0))`. The softplus is not where it "
+                  "lives: 2.2.2's `ops/triton/softplus.py` already returns dt itself above 20."),
     "mamba-grouped-norm-backward": Draft(
         title="mamba_split_conv1d_scan_combined backward: gated RMSNorm normalized over all of dim when "
               "ngroups > 1",
@@ -194,7 +200,8 @@ DRAFTS = {
         code_path="`transformers/models/mamba2/modeling_mamba2.py`, `MambaRMSNormGated.forward`: `variance = "
                   "hidden_states.pow(2).mean(-1, keepdim=True)` over the whole last axis; the class takes no group "
                   "size and `Mamba2Mixer.__init__` builds it as `MambaRMSNormGated(self.intermediate_size, "
-                  "eps=...)`.",
+                  "eps=...)`; from 5.23.0 on `MambaRMSNormGated(hidden_size, group_size, eps)` views its input "
+                  "as groups of group_size and normalizes each.",
         call="transformers.models.mamba2.modeling_mamba2.Mamba2Mixer.forward",
         needs="torch and transformers"),
     "mamba-ragged-chunk-final-state-decay": Draft(
@@ -242,19 +249,6 @@ DRAFTS = {
                   "multiplication's backward returns the gradient of `self.act(gate)` in that dtype.",
         call="fla.layers.mamba2.Mamba2.torch_forward",
         needs="torch, triton, einops, flash-linear-attention, fla-core and transformers"),
-    "fla-fused-recurrent-gate-gradient-cancellation": Draft(
-        title="fused_recurrent_simple_gla backward: the gate's gradient is rounding noise under strong decay "
-              "(grad g from q.dq - k.dk cancels)",
-        should="The gate's gradient keeps float32's relative accuracy when it is small against the other "
-               "gradients: computed without subtracting terms of the outputs' gradients' size (for example as "
-               "exp(g_t) h_{t-1}.dh_t, the state update's own derivative), so that strong decay, dt > 20 or a "
-               "single token do not turn the gradients of A and dt into noise.",
-        code_path="`fla/ops/common/fused_recurrent.py`, `fused_recurrent_bwd_kernel`: the gate's gradient "
-                  "accumulates `b_dg += tl.sum(b_q * b_dq - b_k * b_dk)` from the last token back (after "
-                  "`b_dg = tl.sum(b_h * b_dh)`), a difference of O(1) terms whose true value under strong decay "
-                  "is of order 1e-6 or below.",
-        call="fla.ops.simple_gla.fused_recurrent_simple_gla",
-        needs="torch, triton, einops, flash-linear-attention and fla-core"),
     "transformers-mamba2-decode-ignores-dt-limit": Draft(
         title="Mamba2Mixer: cached decoding ignores time_step_limit (dt is not clamped on the single-token path)",
         should="Each decoded token's dt is clamped to time_step_limit exactly as the chunked path clamps it, so "
@@ -269,8 +263,14 @@ DRAFTS = {
 
 
 def is_finding(defect: KnownDefect) -> bool:
-    """Gets a folder, a repro and (when not fixed) a draft upstream report."""
-    return defect.status.startswith("found by ssdiff") or defect.affected[1] is not None
+    """Gets a folder and a repro: a defect ssdiff found (not an algorithm's own limitation), or one a release fixed
+    (its repro shows the fix)."""
+    return (defect.found_by_ssdiff and defect.severity != BY_DESIGN) or defect.affected[1] is not None
+
+
+def has_draft(defect: KnownDefect) -> bool:
+    """Gets a draft upstream report: a finding nobody has reported."""
+    return is_finding(defect) and defect.status == UNREPORTED
 
 
 def finding_dir(defect_id: str, root: Path = FINDINGS_DIR) -> Path:
@@ -505,34 +505,50 @@ def _upstream_function(defect: KnownDefect, impl: str) -> str:
     return MAMBA_FUNCTIONS[impl][0] if impl in MAMBA_FUNCTIONS else impl
 
 
-def render_finding(defect: KnownDefect, found: Optional[dict], level: str = "##") -> list:
-    """The FINDINGS.md section of one finding (a fixed one: no upstream report, its code path instead)."""
-    draft = DRAFTS[defect.id]
-    sub = level + "#"
-    out = [f"{level} {defect.id}", "", f"**Statement.** {defect.statement}.", "",
-           f"- Status: {defect.status}",
-           f"- Affected releases: {defect.releases}",
+def upstream_link(defect: KnownDefect) -> str:
+    """The opening table's upstream cell: the first reference as a link (and how many more), or the search that
+    found none."""
+    if not defect.references:
+        return defect.upstream
+    first = defect.references[0]
+    more = len(defect.references) - 1
+    return f"[{first.repo}#{first.number}]({first.url})" + (f" (+{more})" if more else "")
+
+
+def render_record(defect: KnownDefect, found: Optional[dict]) -> list:
+    """The FINDINGS.md section of one record: its statement and fields; a finding's case and repro; a draft upstream
+    report only for an unreported one (the others name their code path)."""
+    out = [f"## {defect.id}", "", f"**Statement.** {defect.statement}.", "",
+           f"- Status: {defect.status}", f"- Severity: {defect.severity}",
+           f"- Affected releases: {defect.releases}" + (" (bisected: `ssdiff bisect`, "
+                                                          f"reports/findings/{defect.id}/bisect.json)"
+                                                          if (finding_dir(defect.id) / "bisect.json").is_file() else ""),
+           "- Upstream: " + ("; ".join(f"[{r.repo} {r.kind} #{r.number}]({r.url}) \"{r.title}\""
+                                       + (f" ({r.note})" if r.note else "") for r in defect.references)
+                             or defect.upstream),
            f"- Implementations: {', '.join(f'`{i}`' for i in defect.implementations)}",
            f"- Pinned by: `{defect.test}`", ""]
+    if not is_finding(defect):
+        return out
     if found is None:
         return out + ["Not computed yet: run `python -m ssdiff.registry.findings`.", ""]
+    draft = DRAFTS[defect.id]
     if found["reproduces"]:
         how = (f"minimized against the float64 oracle with {found['release']} in {found['runs']} runs"
                if found["shrunk"] else f"the registry's example (minimizing did not shrink it; {found['release']})")
-        out += [f"{sub} Minimized case ({how})", ""]
+        out += [f"### Minimized case ({how})", ""]
     else:
-        out += [f"{sub} Case: the registry's example; it does not diverge with {found['release']}, so that "
+        out += [f"### Case: the registry's example; it does not diverge with {found['release']}, so that "
                 f"release is not affected", ""]
-    out += _case_block(found) + ["", f"{sub} Repro", "", _repro_line(defect, found), ""]
-    if defect.affected[1] is not None:
+    out += _case_block(found) + ["", "### Repro", "", _repro_line(defect, found), ""]
+    if not has_draft(defect):
         return out + [f"*Code path.* {draft.code_path}", ""]
     if not found["reproduces"]:
         return out
-    out += [f"{sub} Draft upstream report", "", f"**{draft.title}**", "",
-            f"*What happens.* In short: {defect.statement}. Calling "
-            f"`{_upstream_function(defect, found['implementation'])}` on the case of the repro "
-            f"(`{found['case'].describe()}` in ssdiff's notation), against a float64 token-by-token evaluation "
-            f"of the same inputs:", ""]
+    out += ["### Draft upstream report", "", f"**{draft.title}**", "",
+            f"*What happens.* Calling `{_upstream_function(defect, found['implementation'])}` on the case of the "
+            f"repro (`{found['case'].describe()}` in ssdiff's notation), against a float64 token-by-token "
+            f"evaluation of the same inputs:", ""]
     out += [f"- {line}" for line in found["symptom"]]
     ready = "" if found.get("repro_exit") == 1 else (
         f" (Not ready to paste: written with {found['release']}, it exits {found.get('repro_exit')}.)")
@@ -549,34 +565,30 @@ def render_finding(defect: KnownDefect, found: Optional[dict], level: str = "##"
     return out
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def render(root: Path = FINDINGS_DIR) -> str:
     """FINDINGS.md's text (pure: the registry and the files under ``root``)."""
-    findings = [d for d in DEFECTS if is_finding(d)]
-    missing = [d.id for d in findings if d.id not in DRAFTS]
+    missing = [d.id for d in DEFECTS if is_finding(d) and d.id not in DRAFTS]
     if missing:
         raise KeyError(f"harness/registry/findings.py DRAFTS has no draft for {', '.join(missing)}")
-    found_here = [d for d in findings if d.status.startswith("found by ssdiff")]
-    others = [d for d in DEFECTS if d not in found_here]
     out = ["# Findings", "",
-           "The upstream defects ssdiff found, each with its minimized case, a standalone `repro.py` and a draft "
-           "upstream report, generated from the known-defect registry (`harness/registry/known.py`) by "
+           "Every record of the known-defect registry (`harness/registry/known.py`), generated by "
            "`python -m ssdiff.registry.findings` (`--render` rewrites this page from `reports/findings/` alone; "
-           "`ssdiff known --repro ID` writes a finding's `repro.py` from its files there; "
-           "`properties/test_findings.py` runs every repro and checks this page is current).", ""]
-    for d in found_here:
-        out += [f"- [{d.id}](#{d.id}): {d.statement}"]
+           "`ssdiff known --repro ID` writes a finding's `repro.py` from its files there; `ssdiff bisect ID` finds "
+           "its affected releases; `properties/test_findings.py` runs every repro and checks this page is current). "
+           "A defect ssdiff found has its minimized case and a standalone `repro.py`; one nobody has reported also "
+           "has a draft upstream report.", "",
+           "| id | project | severity | status | affected releases | upstream |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for d in DEFECTS:
+        out += ["| " + " | ".join(_cell(c) for c in (f"[{d.id}](#{d.id})", d.package, d.severity, d.status,
+                                                      d.releases, upstream_link(d))) + " |"]
     out += [""]
-    for d in found_here:
-        out += render_finding(d, read_finding(d.id, root))
-    out += ["## Known, not found by ssdiff", "",
-            "| id | status | statement | repro |", "| --- | --- | --- | --- |"]
-    for d in others:
-        repro = f"[below](#{d.id})" if is_finding(d) else "—"
-        out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in (d.id, d.status, d.statement, repro)) + " |"]
-    out += [""]
-    for d in others:
-        if is_finding(d):
-            out += render_finding(d, read_finding(d.id, root), level="###")
+    for d in DEFECTS:
+        out += render_record(d, read_finding(d.id, root) if is_finding(d) else None)
     return "\n".join(out).rstrip("\n") + "\n"
 
 

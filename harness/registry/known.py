@@ -31,6 +31,39 @@ from ssdiff.inputs.drawing import draw
 
 KNOWN_POLICIES = ("report", "skip", "ignore")
 
+# The fixed scale of severities, the worst first.
+DEFAULT_WRONG = "wrong outputs in a default configuration"
+DEFAULT_CRASH = "crash with a default argument"
+NON_DEFAULT = "wrong outputs or crash in a non-default configuration"
+EDGE_CASE = "numerical edge case"
+BY_DESIGN = "by design / numerical limitation of the algorithm"
+SEVERITIES = (DEFAULT_WRONG, DEFAULT_CRASH, NON_DEFAULT, EDGE_CASE, BY_DESIGN)
+
+# A record's status: one of these, "fixed upstream in" followed by the first fixed release (`affected`).
+UNREPORTED = "found by ssdiff, unreported"
+REPORTED = "reported upstream (open)"
+FIXED = "fixed upstream in"
+DESIGNED = "by design"
+STATUSES = (UNREPORTED, REPORTED, FIXED, DESIGNED)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An upstream issue or pull request about a record's defect, its title as the tracker gives it."""
+
+    repo: str                  # "state-spaces/mamba"
+    kind: str                  # "issue" or "PR"
+    number: int
+    title: str
+    note: str = ""             # what it is to the record ("fixes it", "vLLM's copy", ...)
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/{self.repo}/{'pull' if self.kind == 'PR' else 'issues'}/{self.number}"
+
+    def describe(self) -> str:
+        return f"{self.repo} {self.kind} #{self.number} \"{self.title}\"" + (f" ({self.note})" if self.note else "")
+
 # ln(float32 max): exp of a larger segment sum overflows.
 EXP_OVERFLOW_F32 = 88.72
 
@@ -52,6 +85,12 @@ class KnownDefect:
     # Device types where the example is measured to diverge, when not every one: a numerical defect whose size
     # depends on the device's order of operations can fall within budget elsewhere at the same inputs.
     example_devices: tuple = ()
+    # The severity (SEVERITIES), the upstream issues and pull requests (References), and when none is known the date
+    # the trackers were searched; whether ssdiff found it (or took it from upstream's own account).
+    severity: str = ""
+    references: tuple = ()
+    searched: str = ""
+    found_by_ssdiff: bool = True
     # The autotune config index the example is measured under (harness/runtime.py, `autotune`), where the defect
     # follows the config: "tuned" otherwise (the benchmark picks, and may pick a config without the defect).
     example_choice: object = "tuned"
@@ -81,6 +120,13 @@ class KnownDefect:
 
         first, fixed = self.affected
         return Version(version) >= Version(first) and (fixed is None or Version(version) < Version(fixed))
+
+    @property
+    def upstream(self) -> str:
+        """The references, one string; or when there are none, the search that found none."""
+        if self.references:
+            return "; ".join(r.describe() for r in self.references)
+        return f"none found, searched {self.searched}" if self.searched else ""
 
     @property
     def releases(self) -> str:
@@ -174,6 +220,46 @@ def decay_sum_error(sums_dtype: Optional[str] = None) -> Callable:
 
 UPSTREAM_TESTS = "properties/test_upstream.py::test_known_defect_reproduces"
 
+# Upstream references (titles as the trackers give them; searched 2026-12-07).
+MAMBA = "state-spaces/mamba"
+GROUPED_NORM_REFS = (
+    Reference(MAMBA, "PR", 547,
+              "Fix Consider group_size in layer_norm_bwd", "the fix"),
+)
+EXP_CLAMP_REFS = (
+    Reference(MAMBA, "issue", 352,
+              "Loss NaN in Mamba2"),
+    Reference(MAMBA, "issue", 558,
+              "I found this line of code causes NaN of `dx`"),
+    Reference(MAMBA, "PR", 746,
+              "Fix _chunk_state_bwd_db_kernel: an exp got drop during a previous PR",
+              "restores an exp the clamping PR it names, #713, dropped"),
+)
+REF_NORM_REFS = (
+    Reference(MAMBA, "issue", 647,
+              "`mamba_split_conv1d_scan_combined` and `mamba_split_conv1d_scan_ref` exhibit large numerical "
+              "differences when `ngroups > 1`"),
+)
+STRIDES_REFS = (
+    Reference(MAMBA, "PR", 796,
+              "Fix stride handling for optional dt_bias and D"),
+    Reference("vllm-project/vllm", "PR", 21532,
+              "[Bugfix] Handle None case for dt_bias and D in selective_state_update", "vLLM's copy; closed"),
+)
+TRANSFORMERS_GROUPS_REFS = (
+    Reference("huggingface/transformers", "PR", 40861,
+              "Support n_groups>1 for mamba2"),
+)
+STEP_D_REFS = (
+    Reference(MAMBA, "issue", 887,
+              "`Mamba2.step()` handles `D` incorrectly when `D_has_dim=True`"),
+    Reference(MAMBA, "issue", 888,
+              "Mamba2 `step()` works silently but when D_has_hdim=True and selective_state_update=None but is"),
+    Reference(MAMBA, "PR", 932,
+              "Fix Mamba2.step() mishandling D when D_has_hdim=True", "closed unmerged"),
+)
+
+
 DEFECTS = (
     KnownDefect(
         id="mamba-varlen-states-drop-initial-states",
@@ -183,7 +269,8 @@ DEFECTS = (
         statement="mamba_chunk_scan_combined's varlen_states leave out initial_states when the first sequence ends "
                   "inside the first chunk (chunk_state_varlen adds the passed-in state only to sequences begun in an "
                   "earlier chunk), while y and final_states use them",
-        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=19, nheads=3, ngroups=3, headdim=4, dstate=5, chunk_size=8, initial_states=True,
                      segments=((4, 8, 7),), varlen_states=True, regime=Regime(decay="mild"), seed=12)),
     KnownDefect(
@@ -193,41 +280,48 @@ DEFECTS = (
         applies=lambda c: c.final_state_grad and _padded(c),
         statement="with seq_idx = -1 padding ending a row, final_states is 0 (the forward skips padding since "
                   "PR #792) but the backward sends d(final_states) into that row's tokens",
-        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=2, headdim=3, dstate=4, chunk_size=8, segments=((6, 7),), padding=(3,),
                      pass_="backward", final_state_grad=True, seed=3)),
     KnownDefect(
         id="mamba-swiglu-backward-without-out-proj",
         # mamba_ssm's Mamba2 layer reaches it on its mem-eff path (always with out_proj; d_ssm < d_inner, no rmsnorm)
         implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff"), package="mamba-ssm",
-        affected=("2.0.0", None),
+        affected=("2.1.0", None),
         applies=lambda c: c.backward and c.d_nonssm > 0 and ((c.out_dim is None and c.entry != "layer")
                                                             or not c.rmsnorm),
-        statement="mamba_split_conv1d_scan_combined's backward fails with d_nonssm > 0 unless both rmsnorm and "
+        statement="mamba_split_conv1d_scan_combined's backward raises with d_nonssm > 0 unless both rmsnorm and "
                   "out_proj are given (no out_proj: UnboundLocalError on out0_recompute; out_proj without rmsnorm: "
-                  "d(outproj_weight) misses the SwiGLU columns); Mamba2 with use_mem_eff_path, d_ssm < d_inner "
-                  "and rmsnorm=False inherits it",
-        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+                  "RuntimeError, autograd rejects d(outproj_weight), which lacks the SwiGLU columns: shape "
+                  "(out, dim) for (out, dim + d_nonssm)); Mamba2 with use_mem_eff_path, d_ssm < d_inner and "
+                  "rmsnorm=False inherits it",
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=8, d_nonssm=2,
                      pass_="backward")),
     KnownDefect(
         id="mamba-grouped-norm-backward",
-        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.0.0", "2.2.5"),
+        implementations=("mamba_ssm.split_conv1d_combined",), package="mamba-ssm", affected=("2.1.0", "2.2.3.post2"),
         applies=lambda c: c.backward and c.rmsnorm and c.ngroups > 1,
         statement="mamba_split_conv1d_scan_combined's backward normalizes the gated RMSNorm over all of dim (it "
                   "does not pass group_size; its forward does): gradients with ngroups > 1 are wrong",
-        status="fixed in 2.2.5", test=UPSTREAM_TESTS,
+        status=f"{FIXED} 2.2.3.post2", severity=NON_DEFAULT, references=GROUPED_NORM_REFS,
+        test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", seqlen=8, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=8,
                      rmsnorm=True, out_dim=4, pass_="backward", seed=5)),
     KnownDefect(
         id="mamba-softplus-backward-nan-above-20",
         # the layers whose training path is this kernel (mamba_ssm's Mamba2 mem-eff path, fla's fused path) inherit it
         implementations=("mamba_ssm.split_conv1d_combined", "mamba_ssm.mamba2_mem_eff", "fla.mamba2_fused"),
-        package="mamba-ssm", affected=("2.2.2", "2.3.2.post1"),
+        package="mamba-ssm", affected=("2.1.0", "2.2.5"),
         applies=lambda c: c.backward and c.dt_softplus and c.regime.dt_large and c.regime.decay in ("typical", "strong"),
         statement="mamba_split_conv1d_scan_combined's backward returns NaN gradients of dt (zxbcdt's dt channels), "
-                  "dt_bias and A where dt + dt_bias passes the softplus threshold of 20, with typical or strong decay",
-        status="found by ssdiff against 2.2.2; 2.3.2.post1 agrees (the releases between are not checked)",
+                  "dt_bias and A with dt above 20 under typical or strong decay: its chunk kernels exponentiate "
+                  "differences of the dA cumsum unclamped (exp(dA_cs_m - dA_cs_k)), which overflow to inf at the "
+                  "masked-out positions, where the mask then makes inf * 0 = NaN (the softplus is not the cause: "
+                  "it already passes dt through above 20)",
+        status=f"{FIXED} 2.2.5", severity=EDGE_CASE, references=EXP_CLAMP_REFS,
         test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", batch=1, seqlen=4, nheads=1, headdim=2, ngroups=1, dstate=11,
                      chunk_size=4, D="head", return_final_states=False, conv_width=1,
@@ -239,7 +333,8 @@ DEFECTS = (
         applies=lambda c: c.rmsnorm and c.ngroups > 1,
         statement="mamba_split_conv1d_scan_ref normalizes the gated RMSNorm over the whole dim instead of per group "
                   "(dim // ngroups) when ngroups > 1; the fused mamba_split_conv1d_scan_combined is right",
-        status="reported upstream: state-spaces/mamba#647", test=UPSTREAM_TESTS,
+        status=REPORTED, severity=NON_DEFAULT, references=REF_NORM_REFS, found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", batch=1, seqlen=16, nheads=4, ngroups=2, headdim=4, dstate=4,
                      chunk_size=8, rmsnorm=True, return_final_states=False, regime=Regime(decay="typical"))),
     KnownDefect(
@@ -251,7 +346,8 @@ DEFECTS = (
                   "== 1: the scan output it normalizes reaches rmsnorm_fn with a last dimension of 1 and a stride "
                   "other than 1, which LayerNormFn's x.contiguous() leaves as it is (a size-1 dimension is "
                   "contiguous at any stride) and _layer_norm_fwd rejects",
-        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(entry="split_conv1d", batch=1, seqlen=8, nheads=1, headdim=1, dstate=4, chunk_size=4,
                      rmsnorm=True, return_final_states=False)),
     KnownDefect(
@@ -262,7 +358,8 @@ DEFECTS = (
                   "its authors call numerically unstable: its gradients carry rounding noise of the size of the "
                   "outputs under strong decay, and at any decay in the gradient of A (2.8x its budget in float32, "
                   "8.5x in float16 at typical decay, L=8, h=p=n=1; mamba_chunk_scan_combined agrees there)",
-        status="documented upstream (the authors' comment in ssd_combined.py)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07", found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=4, headdim=5, ngroups=4, dstate=4, chunk_size=16, dtype="float16",
                      D="channel", return_final_states=False, pass_="backward", seed=49443,
                      regime=Regime(decay="typical", dt_large=True, values="integer", scale=0.25, layout="strided")),
@@ -274,7 +371,8 @@ DEFECTS = (
                                           or (c.entry == "chunk_scan" and row_decay(c) > EXP_OVERFLOW_F32)),
         statement="ssd_chunk_scan_combined_ref takes exp of every segment sum, masked-out positive ones included: "
                   "once a row's total decay sum|dt A| passes 88.72 they overflow and the gradient is inf * 0 = NaN",
-        status="documented upstream (a reference, not a gradient oracle)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07", found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=8, nheads=2, headdim=1, dstate=1, chunk_size=8, return_final_states=False,
                      regime=Regime(decay="strong"), pass_="backward")),
     KnownDefect(
@@ -287,7 +385,8 @@ DEFECTS = (
                   "state passing, which its authors call much less numerically stable, as differences of a "
                   "row-long cumsum), and autograd sums the cumsum's cancelling gradients back in float32: its "
                   "gradient of A now and then errs beyond the budget (2.25x at typical decay, L=36 Q=4)",
-        status="documented upstream (state_passing_ref: much less numerically stable)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07", found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=36, nheads=1, headdim=8, ngroups=1, dstate=6, chunk_size=4, D="none", has_z=False,
                      has_dt_bias=False, dt_softplus=False, return_final_states=False,
                      regime=Regime(decay="typical", scale=0.25), pass_="backward", seed=2198),
@@ -302,15 +401,15 @@ DEFECTS = (
                   "typical decay every decay factor is off by ~1%, and larger sums lose more or overflow fp16; "
                   "with mild or no decay the gradient of A, which the sums' backward also accumulates in that "
                   "dtype, now and then errs beyond the budget (1.67x, b=2 L=12 Q=4, float16, mild decay)",
-        status="by design (the paper's listing, meant for float32)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07", found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=64, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=64, dtype="float16", D="none",
                      has_dt_bias=False, dt_softplus=False, return_final_states=True, seed=0,
                      regime=Regime(decay="strong", dt_large=True), pass_="backward")),
 )
 
 # Where a release returns a tensor in another dtype than the interface ssdiff judges (y in the input dtype,
-# final and varlen states in float32): a mismatch verdict whatever the values.
-INTERFACE = "differs from the interface ssdiff judges (found by ssdiff)"
+# final and varlen states in float32): a mismatch verdict whatever the values (found by ssdiff; upstream's choice).
 
 DEFECTS += (
     KnownDefect(
@@ -318,7 +417,8 @@ DEFECTS += (
         implementations=("mamba_ssm.ssd_minimal",), package="mamba-ssm", affected=("2.0.0", None),
         applies=lambda c: c.dtype != "float32" and c.return_final_states,
         statement="ssd_minimal_discrete returns final_states in its input dtype (float16/bfloat16), not float32",
-        status=INTERFACE, test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=2, headdim=6, ngroups=2, dstate=2, chunk_size=16, dtype="float16", D="none",
                      has_dt_bias=False, dt_softplus=False, initial_states=True, seed=6, regime=Regime(decay="mild"))),
     KnownDefect(
@@ -331,7 +431,8 @@ DEFECTS += (
                   "20): autograd through differences of the A*dt cumsum, which the final state's decay is taken "
                   "from. Without a final-state gradient it agreed in 346 of 346 such cases, so does "
                   "mamba_chunk_scan_combined",
-        status="by design (the paper's listing)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07", found_by_ssdiff=False,
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=8, nheads=1, headdim=1, ngroups=1, dstate=1, chunk_size=8, D="none", has_dt_bias=False,
                      dt_softplus=False, final_state_grad=True, regime=Regime(decay="strong"), pass_="backward",
                      seed=1),
@@ -343,7 +444,8 @@ DEFECTS += (
         applies=lambda c: c.dtype != "float32",
         statement="ssd_chunk_scan_combined_ref returns y in float32 for float16/bfloat16 inputs, not in the input "
                   "dtype",
-        status=INTERFACE, test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=3, headdim=4, ngroups=3, dstate=5, chunk_size=8, dtype="float16",
                      return_final_states=False, regime=Regime(decay="mild"), seed=12),
         whole_pass=lambda backward, dtype: dtype != "float32"),
@@ -353,12 +455,14 @@ DEFECTS += (
         applies=lambda c: c.varlen_states and c.dtype != "float32",
         statement="mamba_chunk_scan_combined returns varlen_states in its input dtype (float16/bfloat16) while its "
                   "final_states are float32",
-        status=INTERFACE, test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=16, nheads=2, headdim=4, dstate=4, chunk_size=8, dtype="float16", segments=((5, 11),),
                      varlen_states=True, regime=Regime(decay="mild"), seed=12)),
 )
 
-# selective_state_update (read in 2.3.2.post1, the release checked; earlier ones not) passes optional tensors' strides to the kernel as
+# selective_state_update (read in 2.3.2.post1; bisected: every release from 2.0.3 on, 2.0.0-2.0.2 do not load) passes
+# optional tensors' strides to the kernel as
 # ``*(D.stride(0), D.stride(1)) if D is not None else 0``, which Python reads as ``*(... if ... else 0)``: with D None
 # it unpacks the int 0 (TypeError). dt_bias None fails the same way, and on Mamba-2's tie_hdim layout even earlier,
 # in ``dt_bias.stride(-1) == 0`` (AttributeError). The signature offers D=None and dt_bias=None.
@@ -366,26 +470,29 @@ DEFECTS += (
 DEFECTS += (
     KnownDefect(
         id="mamba-state-update-D-none",
-        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.0.3", None),
         applies=lambda c: c.entry == "decode" and c.D == "none",
         statement="selective_state_update raises TypeError when D is None (the signature's default): its launch "
                   "unpacks `*(D.stride(0), D.stride(1)) if D is not None else 0`, i.e. `*0`",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=REPORTED, severity=DEFAULT_CRASH, references=STRIDES_REFS,
+        test=UPSTREAM_TESTS,
         example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, D="none")),
     KnownDefect(
         id="mamba-state-update-dt-bias-none",
-        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        implementations=("mamba_ssm.selective_state_update",), package="mamba-ssm", affected=("2.0.3", None),
         applies=lambda c: c.entry == "decode" and not c.has_dt_bias,
         statement="selective_state_update raises when dt_bias is None (the signature's default): AttributeError in "
                   "`dt_bias.stride(-1)` on Mamba-2's tie_hdim layout, else TypeError from `*(dt_bias.stride(0), "
                   "dt_bias.stride(1)) if dt_bias is not None else 0`",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=REPORTED, severity=DEFAULT_CRASH, references=STRIDES_REFS,
+        test=UPSTREAM_TESTS,
         example=Case(entry="decode", seqlen=1, nheads=1, headdim=1, dstate=1, has_dt_bias=False)),
 )
 
-# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2, the releases checked; the norm's
-# grouping and the half-precision dt also measured in transformers 5.17.0, on an H200; earlier ones not): each
-# layer's plain-torch path groups heads differently from mamba_ssm's Mamba2 and kernels.
+# The layer entry (read in flash-linear-attention 0.6.0 and transformers 5.20.2; the half-precision dt also measured
+# in transformers 5.17.0, on an H200; the norm's grouping bisected over 5.16.0-5.25.0: 5.18.0 to 5.22.2, while 5.16
+# and 5.17 do not import beside huggingface-hub 2, so the range here starts at 5.18.0): each layer's plain-torch path
+# groups heads differently from mamba_ssm's Mamba2 and kernels.
 LAYER = dict(entry="layer", return_final_states=False, rmsnorm_eps=1e-5, norm_before_gate=False)
 
 DEFECTS += (
@@ -397,17 +504,19 @@ DEFECTS += (
                   "num_heads with `repeat`, which tiles the groups (head h reads group h % n_groups), instead of "
                   "`repeat_interleave` (head h reads group h // (num_heads // n_groups), as mamba_chunk_scan_combined "
                   "on its kernel path does): its output is wrong whenever 1 < n_groups < num_heads",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=4, nheads=4, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=8)),
     KnownDefect(
         id="transformers-mamba2-norm-ignores-groups",
-        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.17.0", None),
+        implementations=("transformers.mamba2_mixer",), package="transformers", affected=("5.18.0", "5.23.0"),
         applies=lambda c: c.entry == "layer" and c.ngroups > 1 and c.rmsnorm,
         statement="transformers' Mamba2Mixer without hub kernels normalizes its gated RMSNorm (MambaRMSNormGated) "
                   "over all intermediate_size channels instead of per group of intermediate_size // n_groups, as "
                   "mamba_ssm's Mamba2 does and as the fused kernel the same mixer calls on its kernel path "
                   "(ngroups=n_groups) does: its output is wrong whenever n_groups > 1",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=f"{FIXED} 5.23.0", severity=NON_DEFAULT, references=TRANSFORMERS_GROUPS_REFS,
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=4, nheads=2, ngroups=2, headdim=2, dstate=2, chunk_size=4, d_model=4,
                      rmsnorm=True)),
     KnownDefect(
@@ -421,14 +530,16 @@ DEFECTS += (
                   "softplus and dt_limit in float16 / bfloat16 (the kernels compute dt in float32): its gradients, "
                   "dt_bias's first, err beyond the same-precision budget (11x in float16 with dt_limit (0, 0.05), "
                   "0.14x once dt is computed in float32)",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=EDGE_CASE, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, batch=2, seqlen=14, nheads=2, headdim=8, dstate=3,
                      chunk_size=1, d_model=1, conv_width=1, conv_bias=False, rmsnorm=True, dtype="float16",
                      dt_limit=(0.0, 0.05), pass_="backward", seed=3),
         whole_pass=lambda backward, dtype: dtype in ("float16", "bfloat16")),
 )
 
-# Mamba2.step (read in mamba-ssm 2.3.2.post1, the release checked): decoding through the inference cache.
+# Mamba2.step (read in mamba-ssm 2.3.2.post1; D_has_hdim bisected: every release from 2.1.0 on, earlier ones do not
+# run here): decoding through the inference cache.
 def _dt_limit_active(c: Case) -> bool:
     return c.dt_limit is not None and (c.dt_limit[0] > 0 or c.dt_limit[1] != float("inf"))
 
@@ -456,13 +567,14 @@ def _decoded_dt_clamped(c: Case) -> bool:
 DEFECTS += (
     KnownDefect(
         id="mamba-mamba2-step-D-has-hdim",
-        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.3.2.post1", None),
+        implementations=("mamba_ssm.mamba2_no_mem_eff",), package="mamba-ssm", affected=("2.1.0", None),
         # with headdim 1 a per-channel D is a per-head one, and its broadcast is right
         applies=lambda c: c.entry == "layer" and c.layer_steps > 0 and c.D == "channel" and c.headdim > 1,
         statement="Mamba2.step (decoding with an inference cache) fails with D_has_hdim=True: it broadcasts D as if "
                   "it were per head, `repeat(self.D, \"h -> h p\", p=self.headdim)`, a (d_ssm, headdim) tensor that "
                   "selective_state_update rejects (AssertionError); the prefill through forward() takes the same D",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=REPORTED, severity=NON_DEFAULT, references=STEP_D_REFS,
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, D="channel",
                      layer_steps=1)),
     KnownDefect(
@@ -472,7 +584,8 @@ DEFECTS += (
         statement="Mamba2.step ignores dt_limit: the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) "
                   "but no decoded token does (its selective_state_update call has no limit), so a model with a "
                   "dt_limit decodes other outputs than its forward() gives for the same tokens",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, dt_limit=(0.0, 0.01),
                      layer_steps=1)),
 )
@@ -515,14 +628,16 @@ DEFECTS += (
         implementations=("mamba_ssm.chunk_scan_combined",), package="mamba-ssm", affected=("2.3.2.post1", None),
         applies=_ragged_final_state,
         statement=RAGGED_STATEMENT.format(fn="mamba_chunk_scan_combined"),
-        status="found by ssdiff", test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
+        status=UNREPORTED, severity=EDGE_CASE, searched="2026-12-07",
+        test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
         example_choice=3),
     KnownDefect(
         id="vllm-ragged-chunk-final-state-decay",
         implementations=("vllm.chunk_scan_combined_varlen",), package="vllm", affected=("0.33.0", None),
         applies=_ragged_final_state,
         statement=RAGGED_STATEMENT.format(fn="mamba_chunk_scan_combined_varlen"),
-        status="found by ssdiff", test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
+        status=UNREPORTED, severity=EDGE_CASE, searched="2026-12-07",
+        test=UPSTREAM_TESTS, example=Case(**RAGGED), example_devices=("cuda",),
         example_choice=3),
 )
 
@@ -538,7 +653,8 @@ DEFECTS += (
                   "the prefill clamps dt to it (mamba_chunk_scan_combined's dt_limit) but no decoded token does "
                   "(its selective_state_update call has no limit; torch_forward clamps both), so a model with a "
                   "dt_limit decodes other outputs than its prefill gives for the same tokens",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, dt_limit=(0.0, 0.01),
                      layer_steps=1)),
 )
@@ -560,7 +676,8 @@ DEFECTS += (
                   "float16, where it overflows to Inf past 65504 although the gate's own gradient (after silu') "
                   "and the layer input's are finite (the kernels form dz in float32): in_proj's and the input's "
                   "gradients come back Inf or NaN",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=EDGE_CASE, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**dict(LAYER, norm_before_gate=True), seqlen=13, nheads=1, headdim=12, dstate=46, chunk_size=1,
                      d_model=3, dtype="float16", D="head", has_dt_bias=True, dt_softplus=True, conv_width=1,
                      conv_bias=False, regime=Regime(decay="none", dt_large=True, scale=4.0), pass_="backward",
@@ -631,7 +748,8 @@ DEFECTS += (
                   "is far smaller (strong decay, dt > 20, or zero: one token without an initial state; at any "
                   "decay now and then) the gradients of the gate, so of A and dt, carry float32 rounding noise of "
                   "those terms (grad A -3.76e-3 for -1.40e-6 under strong decay)",
-        status="found by ssdiff (no upstream issue known)", test=UPSTREAM_TESTS,
+        status=DESIGNED, severity=BY_DESIGN, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(seqlen=14, nheads=6, headdim=8, ngroups=6, dstate=6, chunk_size=4, D="head", has_z=True,
                      has_dt_bias=False, dt_limit=(0.0, 1.0), initial_states=True, return_final_states=True,
                      final_state_grad=True, regime=Regime(decay="strong", scale=4.0), pass_="backward", seed=152)),
@@ -648,12 +766,40 @@ DEFECTS += (
         statement="transformers' Mamba2Mixer decoding with a cache ignores time_step_limit: the prefill's chunked "
                   "scan clamps dt to it but the single-token path (selective_state_update, with dt_softplus and no "
                   "dt_limit) does not, so generate() decodes other outputs than forward() gives for the same tokens",
-        status="found by ssdiff", test=UPSTREAM_TESTS,
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS,
         example=Case(**LAYER, seqlen=3, nheads=2, headdim=2, dstate=2, chunk_size=4, d_model=4, rmsnorm=True,
                      dt_limit=(0.0, 0.01), layer_steps=1)),
 )
 
 BY_ID = {d.id: d for d in DEFECTS}
+
+
+def record_problems(defect: KnownDefect) -> list:
+    """What ``defect`` lacks of what every record carries, one line each ([] when nothing): a severity of the
+    fixed scale, a status of the fixed scale (a fixed one naming the record's first fixed release, and only then),
+    and upstream references (each an issue or PR with a number and a title) or the date of a search that found
+    none."""
+    import re
+
+    out = []
+    if defect.severity not in SEVERITIES:
+        out.append(f"severity {defect.severity!r} is not one of {SEVERITIES}")
+    fixed = defect.affected[1]
+    want = f"{FIXED} {fixed}" if fixed else None
+    if fixed and defect.status != want:
+        out.append(f"status {defect.status!r}: a record with a fixed release says {want!r}")
+    if not fixed and defect.status not in (UNREPORTED, REPORTED, DESIGNED):
+        out.append(f"status {defect.status!r} is not one of {(UNREPORTED, REPORTED, DESIGNED)}")
+    if defect.status == REPORTED and not defect.references:
+        out.append("reported upstream, yet no reference names where")
+    if not defect.references and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", defect.searched):
+        out.append("no upstream reference and no date of a search that found none")
+    for ref in defect.references:
+        if not (isinstance(ref, Reference) and ref.kind in ("issue", "PR") and ref.number > 0 and ref.title
+                and re.fullmatch(r"[\w.-]+/[\w.-]+", ref.repo)):
+            out.append(f"reference {ref!r} is not an issue or PR of an owner/name repository with a number and title")
+    return out
 
 
 def whole_pass(impl: str, backward: bool, dtype: str) -> Optional[KnownDefect]:
@@ -737,7 +883,7 @@ def explains(defect: KnownDefect, side: str, outcome, factor: Optional[float] = 
                            outcome.baseline, factor or FACTOR, allowance=error[name]).ok for name in failing)
 
 
-__all__ = ["KnownDefect", "DEFECTS", "BY_ID", "KNOWN_POLICIES", "affecting", "matching", "explains", "explanation",
-           "known_lines", "whole_pass",
-           "installed_version", "running_gate_sum_error", "decay_sum_error",
-           "row_decay", "ragged_end_decay", "EXP_OVERFLOW_F32"]
+__all__ = ["KnownDefect", "Reference", "record_problems", "SEVERITIES", "STATUSES", "DEFECTS", "BY_ID",
+           "KNOWN_POLICIES", "affecting", "matching", "explains", "explanation", "known_lines", "whole_pass",
+           "installed_version", "running_gate_sum_error", "decay_sum_error", "row_decay", "ragged_end_decay",
+           "EXP_OVERFLOW_F32"]
