@@ -38,7 +38,40 @@ class Feature:
 
 
 def _no_seq_idx(c: Case) -> Case:
-    return c.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
+    return c.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, varlen_states=False)
+
+
+def _no_empty_sequences(c: Case) -> Case:
+    """Each empty sequence left out (the gap before it joins the next gap, or the row's first or last sequence);
+    a row of empty sequences alone becomes one sequence over all its tokens."""
+    segments, gaps, padding = [], [], []
+    for row, lengths in enumerate(c.segments):
+        between = c.gaps[row] if c.gaps is not None else (0,) * (len(lengths) - 1)
+        kept, kept_gaps, carried = [], [], 0
+        for i, n in enumerate(lengths):
+            carried += between[i - 1] if i else 0
+            if n:
+                if kept:
+                    kept_gaps.append(carried)
+                kept.append(n + (carried if not kept else 0))   # no gap before a row's first sequence
+                carried = 0
+        if kept:
+            kept[-1] += carried                                 # the gap before a trailing empty sequence
+        pad = (c.padding or (0,) * c.batch)[row]
+        if not kept:
+            kept, pad = [c.seqlen], 0
+        segments.append(tuple(kept))
+        gaps.append(tuple(kept_gaps))
+        padding.append(pad)
+    return c.replace(segments=tuple(segments), gaps=tuple(gaps) if any(map(any, gaps)) else None,
+                     padding=tuple(padding) if any(padding) else None)
+
+
+def _no_gaps(c: Case) -> Case:
+    """Each gap's tokens given to the sequence before it."""
+    segments = tuple(tuple(n + (gaps[i] if i < len(gaps) else 0) for i, n in enumerate(row))
+                     for row, gaps in zip(c.segments, c.gaps))
+    return c.replace(segments=segments, gaps=None)
 
 
 def _fold_padding(c: Case) -> Case:
@@ -65,6 +98,8 @@ def _unragged(c: Case) -> Case:
         for row, pad in zip(c.segments, pads):
             take = min(pad, -delta) if delta < 0 else 0
             rest = delta + take
+            if row[-1] and row[-1] + rest < 1:
+                raise CaseError("ragged: the row's last sequence cannot give up the tokens without becoming empty")
             row = row[:-1] + (row[-1] + rest,)
             segs.append(row)
             new_pads.append(pad - take)
@@ -81,12 +116,7 @@ def _no_swiglu(c: Case) -> Case:
 
 
 def _first_row(c: Case) -> Case:
-    changes = dict(batch=1)
-    if c.segments is not None:
-        changes["segments"] = c.segments[:1]
-        if c.padding is not None:
-            changes["padding"] = c.padding[:1]
-    return c.replace(**changes)
+    return c.replace(batch=1, **c.row_layout(0)) if c.segments is not None else c.replace(batch=1)
 
 
 # The order is the ablation's (minimal_trigger tries them in it) and `without`'s: a feature whose switch-off
@@ -130,6 +160,10 @@ FEATURES = (
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),
+    Feature("empty_sequence", "an empty sequence (length 0)", "no empty sequence",
+            lambda c: c.segments is not None and any(0 in row for row in c.segments), _no_empty_sequences),
+    Feature("gaps", "padding between sequences (seq_idx = -1 inside a row)", "no padding between sequences",
+            lambda c: c.gaps is not None, _no_gaps),
     Feature("padding", "padding tokens (seq_idx = -1)", "no padding", lambda c: bool(c.padding and any(c.padding)),
             _fold_padding),
     Feature("seq_idx_start", "seq_idx not starting at 0", "seq_idx starts at 0", lambda c: c.seq_idx_start > 0,
@@ -161,7 +195,7 @@ BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)
 
 # What a call without a seq_idx argument cannot express: each of these needs the case's segments.
-NEEDS_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
+NEEDS_SEQ_IDX = frozenset({"seq_idx", "empty_sequence", "gaps", "padding", "seq_idx_start", "varlen_states"})
 
 
 def feature(key: str) -> Feature:

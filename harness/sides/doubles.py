@@ -4,8 +4,8 @@ They live in the package (not in a test file) because `ssdiff fuzz --isolate` ru
 process that must import them. They are not registered: name one as ``ssdiff.sides.doubles:NAME`` (the fuzz CLI
 and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sides.doubles:group_bug``.
 
-- `ToyKernel`: a chunked SSD computed chunk by chunk in float32 (chunk_scan entry; every feature but varlen
-  states), exposing every stage of the pipeline. With ``bug=`` one planted mistake:
+- `ToyKernel`: a chunked SSD computed chunk by chunk in float32 (chunk_scan entry; every feature), exposing every
+  stage of the pipeline. With ``bug=`` one planted mistake:
     "group_index"   chunk states take B from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``;
     "no_reset"      the state passed between chunks does not reset where seq_idx changes;
     "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one;
@@ -13,6 +13,11 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "drop_initial_states"  the initial states are ignored (every row starts from zero);
     "offset_wrap"   x's element i past huge.HUGE_ELEMENTS is read from i - HUGE_ELEMENTS (a 32-bit offset that
                     overflows at 2**31; harness/inputs/huge.py, whose threshold a test lowers to a small case's size).
+    "empty_sequence"  empty sequences ignored: seq_idx renumbered densely over the non-empty sequences (so the
+                    initial state feeds the first of them even where an empty sequence numbered 0 took it), and a
+                    varlen state read at token cu_seqlens[i + 1] - 1 (clamped at 0) whatever sequence holds it (an
+                    empty sequence gets its predecessor's state): the mistakes of a kernel that numbers sequences
+                    by their tokens and finds a sequence's end as the token before the next one's start.
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
   instead of per group (the bug of mamba_split_conv1d_scan_ref, seed 000).
 - `ToyLayer`: the whole Mamba-2 layer in float32 (layer entry): in_proj, then the toy mixer; ``bug=
@@ -54,7 +59,8 @@ from ssdiff.model.dtypes import torch_dtype
 from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
-BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap")
+BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap",
+        "empty_sequence")
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
@@ -155,8 +161,7 @@ class ToyKernel(_Float32Implementation):
         self.bug = bug
         self.name = f"double.toy{'.' + bug if bug else ''}"
         self.description = f"toy chunked float32 SSD{' with a planted bug: ' + bug if bug else ''}"
-        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}),
-                                         unsupported=frozenset({"varlen_states"}), stages=STAGES)
+        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}), stages=STAGES)
 
     def compute(self, case, t, inputs):
         # Each batch row on its own, as a kernel's programs compute it, so that the double is batch-invariant bit
@@ -171,7 +176,8 @@ class ToyKernel(_Float32Implementation):
                                  dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                                  initial_states=None if self.bug == "drop_initial_states" else
                                  row.get("initial_states"),
-                                 seq_idx=None if inputs.seq_idx is None else inputs.seq_idx[r:r + 1], bug=self.bug))
+                                 seq_idx=None if inputs.seq_idx is None else self._seq_idx(case, inputs.seq_idx[r:r + 1]),
+                                 bug=self.bug))
         y, final = (torch.cat([row[i] for row in rows]) for i in (0, 1))
         stages = {name: torch.cat([row[2][name] for row in rows]) for name in rows[0][2]}
         if self.bug == "row_leak" and y.shape[0] > 1:
@@ -179,8 +185,43 @@ class ToyKernel(_Float32Implementation):
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = final
+        if case.varlen_states:
+            outputs["varlen_states"] = self._varlen_states(case, t, inputs)
         stages["y"] = y
         return outputs, stages
+
+
+    def _seq_idx(self, case, seq_idx):
+        """The row's seq_idx as the scan sees it: as given, or (the planted bug) renumbered densely from
+        seq_idx_start, as if built from the row's non-empty sequences alone."""
+        if self.bug != "empty_sequence":
+            return seq_idx
+        numbers = sorted(set(seq_idx[seq_idx >= 0].tolist()))
+        dense = {old: case.seq_idx_start + rank for rank, old in enumerate(numbers)}
+        return torch.tensor([[dense.get(v, -1) for v in seq_idx[0].tolist()]], dtype=seq_idx.dtype,
+                            device=seq_idx.device)
+
+    def _varlen_states(self, case, t, inputs):
+        """One state per sequence of the (batch-1) row: the final state of the scan over the tokens up to the
+        sequence's last, or for an empty sequence the state it starts from (the planted bug reads token
+        cu_seqlens[i + 1] - 1 there too)."""
+        cu = inputs.cu_seqlens.tolist()
+        h0 = t.get("initial_states")
+        out = []
+        for i, (start, end) in enumerate(zip(cu, cu[1:])):
+            if end == start and self.bug != "empty_sequence":
+                first = h0 is not None and case.seq_idx_start + i == 0
+                out.append(h0[0] if first else t["x"].new_zeros(case.nheads, case.headdim, case.dstate))
+                continue
+            last = max(end - 1, 0)                              # a masked load's offset, clamped at the start
+            cut = {k: (v[:, :last + 1] if k in _BATCH_LEADING and k != "initial_states" and v is not None else v)
+                   for k, v in t.items()}
+            _, state, _ = toy_scan(cut["x"], cut["dt"], cut["A"], cut["B"], cut["C"], chunk_size=case.chunk_size,
+                                   dt_bias=cut.get("dt_bias"), dt_softplus=case.dt_softplus,
+                                   dt_limit=case.dt_limit_or_default, initial_states=h0,
+                                   seq_idx=self._seq_idx(case, inputs.seq_idx[:, :last + 1]))
+            out.append(state[0])
+        return torch.stack(out)
 
 
 def _wrapped(x: torch.Tensor) -> torch.Tensor:
@@ -385,6 +426,7 @@ mask_bug = ToyKernel("partial_mask")
 row_leak_bug = ToyKernel("row_leak")
 initial_states_bug = ToyKernel("drop_initial_states")
 offset_wrap_bug = ToyKernel("offset_wrap")
+empty_sequence_bug = ToyKernel("empty_sequence")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()
