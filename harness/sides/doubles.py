@@ -13,6 +13,12 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "drop_initial_states"  the initial states are ignored (every row starts from zero);
     "offset_wrap"   x's element i past huge.HUGE_ELEMENTS is read from i - HUGE_ELEMENTS (a 32-bit offset that
                     overflows at 2**31; harness/inputs/huge.py, whose threshold a test lowers to a small case's size).
+    "strided_offset_wrap"  x read through the strides it is handed, its element offsets b s_b + t s_t + h s_h +
+                    p s_p computed in 32 bits: an offset at or past STRIDED_WRAP reads the element STRIDED_WRAP
+                    before it in x's storage (for a strided x, the wide tensor it is a view of). It models where
+                    an int32 stride product overflows — a view's offsets reach STRIDED_WRAP long before its element
+                    count does — not how: a real overflow wraps negative and reads before the tensor, the double
+                    stays inside the storage so its reads are defined. Forward values only (gradients as if right).
     "empty_sequence"  empty sequences ignored: seq_idx renumbered densely over the non-empty sequences (so the
                     initial state feeds the first of them even where an empty sequence numbered 0 took it), and a
                     varlen state read at token cu_seqlens[i + 1] - 1 (clamped at 0) whatever sequence holds it (an
@@ -60,7 +66,10 @@ from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
 BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap",
-        "empty_sequence")
+        "empty_sequence", "strided_offset_wrap")
+# Where the "strided_offset_wrap" double's 32-bit element offsets overflow: 2**31, as on a GPU; a test lowers it
+# to a small case's size (below every contiguous x the CPU search draws, above many strided ones).
+STRIDED_WRAP = 2 ** 31
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
@@ -168,6 +177,8 @@ class ToyKernel(_Float32Implementation):
         # for bit on every device (torch's batched products on a GPU choose their algorithm by the batch size).
         if self.bug == "offset_wrap":
             t = dict(t, x=_wrapped(t["x"]))
+        if self.bug == "strided_offset_wrap":
+            t = dict(t, x=_strided_wrapped(t["x"], inputs))
         rows = []
         for r in range(t["x"].shape[0]):
             row = {k: (v[r:r + 1] if k in _BATCH_LEADING and v is not None else v) for k, v in t.items()}
@@ -176,8 +187,8 @@ class ToyKernel(_Float32Implementation):
                                  dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                                  initial_states=None if self.bug == "drop_initial_states" else
                                  row.get("initial_states"),
-                                 seq_idx=None if inputs.seq_idx is None else self._seq_idx(case, inputs.seq_idx[r:r + 1]),
-                                 bug=self.bug))
+                                 seq_idx=None if inputs.seq_idx is None else
+                                 self._seq_idx(case, inputs.seq_idx[r:r + 1]), bug=self.bug))
         y, final = (torch.cat([row[i] for row in rows]) for i in (0, 1))
         stages = {name: torch.cat([row[2][name] for row in rows]) for name in rows[0][2]}
         if self.bug == "row_leak" and y.shape[0] > 1:
@@ -189,7 +200,6 @@ class ToyKernel(_Float32Implementation):
             outputs["varlen_states"] = self._varlen_states(case, t, inputs)
         stages["y"] = y
         return outputs, stages
-
 
     def _seq_idx(self, case, seq_idx):
         """The row's seq_idx as the scan sees it: as given, or (the planted bug) renumbered densely from
@@ -222,6 +232,22 @@ class ToyKernel(_Float32Implementation):
                                    seq_idx=self._seq_idx(case, inputs.seq_idx[:, :last + 1]))
             out.append(state[0])
         return torch.stack(out)
+
+
+def _strided_wrapped(x: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """x as the "strided_offset_wrap" double reads it (see the module docstring): the case's native x (a view
+    of the wide tensor when the layout is strided) indexed through its own strides, offsets past STRIDED_WRAP
+    moved back by STRIDED_WRAP."""
+    native = inputs.native(dtypes={name: torch.float32 for name in inputs.dtypes})["x"].detach()
+    storage = torch.empty(0, dtype=torch.float32, device=native.device).set_(native.untyped_storage())
+    offsets = native.storage_offset() + sum(
+        torch.arange(size, device=native.device).reshape([-1 if d == i else 1 for d in range(native.dim())]) * stride
+        for i, (size, stride) in enumerate(zip(native.shape, native.stride())))
+    wrapped = offsets >= STRIDED_WRAP
+    if not bool(wrapped.any()):
+        return x
+    read = storage[torch.where(wrapped, offsets - STRIDED_WRAP, offsets)]
+    return x + (read - x).detach()
 
 
 def _wrapped(x: torch.Tensor) -> torch.Tensor:
@@ -427,6 +453,7 @@ row_leak_bug = ToyKernel("row_leak")
 initial_states_bug = ToyKernel("drop_initial_states")
 offset_wrap_bug = ToyKernel("offset_wrap")
 empty_sequence_bug = ToyKernel("empty_sequence")
+strided_offset_wrap_bug = ToyKernel("strided_offset_wrap")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()
