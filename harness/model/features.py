@@ -38,40 +38,7 @@ class Feature:
 
 
 def _no_seq_idx(c: Case) -> Case:
-    return c.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, varlen_states=False)
-
-
-def _no_empty_sequences(c: Case) -> Case:
-    """Each empty sequence left out (the gap before it joins the next gap, or the row's first or last sequence);
-    a row of empty sequences alone becomes one sequence over all its tokens."""
-    segments, gaps, padding = [], [], []
-    for row, lengths in enumerate(c.segments):
-        between = c.gaps[row] if c.gaps is not None else (0,) * (len(lengths) - 1)
-        kept, kept_gaps, carried = [], [], 0
-        for i, n in enumerate(lengths):
-            carried += between[i - 1] if i else 0
-            if n:
-                if kept:
-                    kept_gaps.append(carried)
-                kept.append(n + (carried if not kept else 0))   # no gap before a row's first sequence
-                carried = 0
-        if kept:
-            kept[-1] += carried                                 # the gap before a trailing empty sequence
-        pad = (c.padding or (0,) * c.batch)[row]
-        if not kept:
-            kept, pad = [c.seqlen], 0
-        segments.append(tuple(kept))
-        gaps.append(tuple(kept_gaps))
-        padding.append(pad)
-    return c.replace(segments=tuple(segments), gaps=tuple(gaps) if any(map(any, gaps)) else None,
-                     padding=tuple(padding) if any(padding) else None)
-
-
-def _no_gaps(c: Case) -> Case:
-    """Each gap's tokens given to the sequence before it."""
-    segments = tuple(tuple(n + (gaps[i] if i < len(gaps) else 0) for i, n in enumerate(row))
-                     for row, gaps in zip(c.segments, c.gaps))
-    return c.replace(segments=segments, gaps=None)
+    return c.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
 
 
 def _fold_padding(c: Case) -> Case:
@@ -96,10 +63,7 @@ def _unragged(c: Case) -> Case:
         pads = c.padding or (0,) * c.batch
         segs, new_pads = [], []
         for row, pad in zip(c.segments, pads):
-            if row[-1] == 0 and delta > 0:
-                raise CaseError("ragged: a row ending in an empty sequence cannot take tokens without padding")
-            # negative: tokens taken; positive: tokens added (an empty last sequence stays empty)
-            from_last = 0 if row[-1] == 0 else max(delta, 1 - row[-1])
+            from_last = max(delta, 1 - row[-1])              # negative: tokens taken; positive: tokens added
             segs.append(row[:-1] + (row[-1] + from_last,))
             new_pads.append(pad + delta - from_last)         # a negative count is the Case's error to raise
         changes["segments"] = tuple(segs)
@@ -116,11 +80,13 @@ def _no_swiglu(c: Case) -> Case:
 
 def _one_row(c: Case) -> Case:
     """batch 1, keeping the row whose sequences show the most: padding first, then the most sequences."""
-    if c.segments is None:
-        return c.replace(batch=1)
-    pads = c.padding or (0,) * c.batch
-    keep = max(range(c.batch), key=lambda r: (pads[r] > 0, len(c.segments[r])))
-    return c.replace(batch=1, **c.row_layout(keep))
+    changes = dict(batch=1)
+    if c.segments is not None:
+        pads = c.padding or (0,) * c.batch
+        keep = max(range(c.batch), key=lambda r: (pads[r] > 0, len(c.segments[r])))
+        changes["segments"] = (c.segments[keep],)
+        changes["padding"] = (pads[keep],) if pads[keep] else None
+    return c.replace(**changes)
 
 
 # The order is the ablation's (minimal_trigger tries them in it) and `without`'s: a feature whose switch-off
@@ -166,13 +132,12 @@ FEATURES = (
             "the whole sequence in one forward", lambda c: c.mamba3_steps > 0, lambda c: c.replace(mamba3_steps=0)),
     Feature("rope_full", "rope_fraction 1 (all of headdim_qk rotated)", "rope_fraction 1/2",
             lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5)),
+    Feature("empty_sequence", "an empty sequence in cu_seqlens", "no empty sequence",
+            lambda c: c.entry == "mamba3" and c.segments is not None and 0 in c.segments[0],
+            lambda c: c.replace(segments=(tuple(n for n in c.segments[0] if n) or (c.seqlen,),))),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),
-    Feature("empty_sequence", "an empty sequence (length 0)", "no empty sequence",
-            lambda c: c.segments is not None and any(0 in row for row in c.segments), _no_empty_sequences),
-    Feature("gaps", "padding between sequences (seq_idx = -1 inside a row)", "no padding between sequences",
-            lambda c: c.gaps is not None, _no_gaps),
     Feature("padding", "padding tokens (seq_idx = -1)", "no padding", lambda c: bool(c.padding and any(c.padding)),
             _fold_padding),
     Feature("seq_idx_start", "seq_idx not starting at 0", "seq_idx starts at 0", lambda c: c.seq_idx_start > 0,
@@ -204,7 +169,7 @@ BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)
 
 # What a call without a seq_idx argument cannot express: each of these needs the case's segments.
-NEEDS_SEQ_IDX = frozenset({"seq_idx", "empty_sequence", "gaps", "padding", "seq_idx_start", "varlen_states"})
+NEEDS_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
 
 
 def feature(key: str) -> Feature:

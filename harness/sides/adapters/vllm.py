@@ -64,8 +64,7 @@ def pack(case: Case, tensors: dict, computed: Optional[Sequence[int]] = None) ->
         first_of_row.append(len(lengths))
         lengths.extend(segs)
         rows.extend([row] * len(segs))
-        # the row's final state is its last non-empty sequence's (an empty one after it adds no token)
-        last_of_row.append(max(i for i, n in enumerate(lengths) if n and rows[i] == row))
+        last_of_row.append(len(lengths) - 1)
     packed = {name: _packed(tensors[name]) for name in ("x", "dt", "B", "C", "z") if name in tensors}
     for name in ("A", "D", "dt_bias"):
         if name in tensors:
@@ -158,7 +157,7 @@ class ChunkScanCombinedVarlen(VllmImplementation):
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.declared(unsupported=frozenset({"padding", "gaps"}))
+        return self.declared(unsupported=frozenset({"padding"}))
 
     def forward(self, case, tensors, inputs, want_stages):
         p = pack(case, tensors)
