@@ -21,7 +21,7 @@ def test_a_rows_required_factors_are_its_campaigns_own(tmp_path, device, capsys)
     rows = tmp_path / "rows.json"
     assert bench.main(["--impl", "ssdiff.sides.doubles:healthy:mixed", "--dtype", "float32", "--budget", "4",
                        "--cold-budget", "2", "--cache-root", str(tmp_path), "--json", str(rows), "--",
-                       "--device", device]) == 0
+                       "--device", device, "--max-examples", "25"]) == 0
     warm = json.load(open(rows, encoding="utf-8"))[0]["warm"]
     summary = json.load(open(tmp_path / "ssdiff.sides.doubles_healthy" / "warm" / "summary.json", encoding="utf-8"))
     assert warm["judged"] == summary["throughput"]["judged"] > 0
@@ -39,16 +39,18 @@ def test_a_rows_required_factors_are_its_campaigns_own(tmp_path, device, capsys)
 
 
 def test_a_rows_divergent_cases_are_replayable_without_the_campaigns_folder(tmp_path, device):
-    """A campaign that diverges leaves each divergent case in its row, whole: the case.json, which replays."""
+    """A campaign that diverges leaves each divergent case in its row, whole: the case.json, which replays. An
+    example budget beside the time budget: one search of 25 cases, the same ones however loaded the machine (the
+    time budget alone judges rounds of fresh searches, as many as the machine manages in its time)."""
     import shutil
 
     from ssdiff.model.case import Case
     from ssdiff.investigate.minimize import replay
 
     rows = tmp_path / "rows.json"
-    assert bench.main(["--impl", "ssdiff.sides.doubles:group_bug:forward", "--dtype", "float32", "--budget", "5",
+    assert bench.main(["--impl", "ssdiff.sides.doubles:group_bug:forward", "--dtype", "float32", "--budget", "15",
                        "--cold-budget", "2", "--cache-root", str(tmp_path / "c"), "--json", str(rows), "--",
-                       "--device", device]) == 0
+                       "--device", device, "--max-examples", "25"]) == 0
     shutil.rmtree(tmp_path / "c")
     warm = json.load(open(rows, encoding="utf-8"))[0]["warm"]
     assert warm["divergences"] == len(warm["divergent_cases"]) > 0
