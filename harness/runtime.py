@@ -24,11 +24,16 @@ Interpreter patches (harness/truth/README.md, "Running upstream without CUDA ext
    shapes a CPU can afford never approach 2**31; SSDIFF_SANITIZE_OVERFLOW=1 turns it back on);
 5. a kernel scalar used as a Python index (``range(0, chunk_size_limit)``) converts with ``.item()``: the
    interpreter's ``tensor.__index__`` calls ``int()`` on a 1-element array, which numpy >= 2.4 refuses.
+6. ``triton.language`` is patched once per launch: the interpreter re-patches it at every call of a
+   ``@triton.jit`` helper inside a kernel (``inspect.getmembers`` over four modules, about a quarter of the
+   interpreter's time on ssdiff's kernels), though the launch already patched every module the helper sees; a
+   helper that sees one more gets it patched, undone with the launch's. Results are the same; only time changes.
 The autotune wrapper (3) is installed on a GPU too, where "tuned" benchmarks every config of a new autotune key
 as Triton does, for SSDIFF_TUNE_MS (10 ms) each rather than Triton's 125 ms: a fuzz campaign meets many keys.
 On a GPU `configure()` also sets TRITON_CACHE_AUTOTUNING=1 (unless set): the results stay in Triton's cache.
 The patches are self-contained functions (`_patch_interpreter`, `_patch_autotuner_choice`): repro.py inlines
-them (harness/reproduce/repro.py), so a repro runs the kernels under the very patches ssdiff ran them under.
+them (harness/reproduce/repro.py), so a repro runs the kernels under the very patches ssdiff ran them under; all
+but 6, which changes only how long a run takes.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def configure() -> None:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if interpreted():
         _patch_interpreter(sm_count, os.environ.get("SSDIFF_SANITIZE_OVERFLOW", "0") == "1")
+        _patch_language_once_per_launch()
     _patch_autotuner_choice(_forced_index, _quick_bench, _launches, Launch)
     _configured = True
 
@@ -293,6 +299,46 @@ def _patch_interpreter_index():
 
     patch_lang_tensor._ssdiff_patch = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _patch_language_once_per_launch():
+    """Patch 6 of the module docstring: `interpreter._patch_lang` as before for a launch (its scope restored when
+    the launch ends); inside one, a helper's call patches only the language modules the launch has not, into the
+    launch's scope, instead of all of them again into a scope nobody restores."""
+    try:
+        from triton.runtime import interpreter
+        original, Scope = interpreter._patch_lang, interpreter._LangPatchScope
+        import triton.language as tl
+    except (ImportError, AttributeError):
+        return                                  # another Triton: leave it as it is
+    if getattr(original, "_ssdiff_patch", False):
+        return
+    launch = {"scope": None, "langs": set()}
+
+    def visible(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        outer = launch["scope"]
+        if outer is None:                       # a launch: patch, and forget it when its scope is restored
+            scope = original(fn)
+            launch["scope"], launch["langs"] = scope, visible(fn)
+            restore = scope.restore
+
+            def restore_and_end():
+                restore()
+                launch["scope"], launch["langs"] = None, set()
+
+            scope.restore = restore_and_end
+            return scope
+        if not visible(fn) <= launch["langs"]:  # a helper that sees a module the launch did not patch
+            # patched in full, as the interpreter does; undone when the launch's scope is restored
+            outer._changes.extend(original(fn)._changes)
+            launch["langs"] |= visible(fn)
+        return Scope()
+
+    patch_lang._ssdiff_patch = True
+    interpreter._patch_lang = patch_lang
 
 
 # ---- autotune config choice ------------------------------------------------------------------------------

@@ -105,3 +105,28 @@ def test_running_out_of_device_memory_is_retried_once_then_named():
 
     with pytest.raises(ValueError, match="a bug"):
         runtime.retry_on_oom(wrong, "the side")
+
+
+@triton.jit
+def _twice_plus_one(x):
+    return 2 * x + 1
+
+
+@triton.jit
+def _helper_per_program(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, _twice_plus_one(_twice_plus_one(tl.load(x_ptr + offs))))
+
+
+def test_a_kernel_calling_helpers_in_every_program_computes_alike_and_leaves_the_language_as_it_was(device):
+    """Patch 6 of ssdiff.runtime (triton.language patched once per launch, not at each helper call): helpers called
+    by every program of a grid compute what they say, and once the launch ends triton.language holds its own
+    functions again (natively the same facts hold with no patch at all)."""
+    x = torch.arange(64, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    _helper_per_program[(8,)](x, y, BLOCK=8)
+    assert torch.equal(y, 4 * x + 3)
+    for module in (tl, tl.core, tl.math):
+        patched = [name for name in dir(module) if callable(getattr(module, name))
+                   and getattr(getattr(module, name), "__name__", "") == "<lambda>"]
+        assert not patched, f"{module.__name__} still holds the interpreter's patches: {patched[:5]}"
