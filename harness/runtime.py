@@ -27,7 +27,9 @@ Interpreter patches (harness/truth/README.md, "Running upstream without CUDA ext
 6. ``triton.language`` is patched once per launch: the interpreter re-patches it at every call of a
    ``@triton.jit`` helper inside a kernel (``inspect.getmembers`` over four modules, about a quarter of the
    interpreter's time on ssdiff's kernels), though the launch already patched every module the helper sees; a
-   helper that sees one more gets it patched, undone with the launch's. Results are the same; only time changes.
+   helper that sees one more gets it patched, undone with the launch's; and the table from Triton dtypes to numpy
+   dtypes, which the interpreter builds anew at each of its operations' lookups, is built once. Results are the
+   same; only time changes.
 The autotune wrapper (3) is installed on a GPU too, where "tuned" benchmarks every config of a new autotune key
 as Triton does, for SSDIFF_TUNE_MS (10 ms) each rather than Triton's 125 ms: a fuzz campaign meets many keys.
 On a GPU `configure()` also sets TRITON_CACHE_AUTOTUNING=1 (unless set): the results stay in Triton's cache.
@@ -339,6 +341,24 @@ def _patch_language_once_per_launch():
 
     patch_lang._ssdiff_patch = True
     interpreter._patch_lang = patch_lang
+
+    original_np_dtype = interpreter._get_np_dtype
+    table = {}
+    for name in dir(tl):                        # every Triton dtype, mapped as the interpreter maps it
+        value = getattr(tl, name)
+        if isinstance(value, tl.dtype) and not isinstance(value, (tl.pointer_type, tl.block_type)):
+            try:
+                table[value] = original_np_dtype(value)
+            except KeyError:
+                pass
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type) and not isinstance(tt_dtype.element_ty, tl.pointer_type):
+            tt_dtype = tt_dtype.element_ty
+        found = table.get(tt_dtype) if not isinstance(tt_dtype, (tl.pointer_type, tl.block_type)) else None
+        return found if found is not None else original_np_dtype(tt_dtype)
+
+    interpreter._get_np_dtype = get_np_dtype
 
 
 # ---- autotune config choice ------------------------------------------------------------------------------
