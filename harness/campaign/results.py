@@ -12,6 +12,7 @@ from typing import Optional
 from ssdiff import exits, runtime
 from ssdiff.campaign.config import FuzzConfig
 from ssdiff.examine import PHASES, Outcome
+from ssdiff.model.features import BY_KEY
 from ssdiff.sides.environment import environment
 from ssdiff.verdict.judge import REQUIRED_GROUPS, factor_spread, required_factors
 
@@ -48,13 +49,18 @@ class Finding:
 
     def cause(self) -> Optional[tuple]:
         """What makes two divergences one cause: the failing sides, the minimal feature trigger and each failing
-        side's first divergent stage (from the localization); None where it was not localized."""
+        side's first divergent stage (from the localization); None where it was not localized. Where every stage
+        is measured, the trigger's features that only observe (harness/model/features.py) are left out: the
+        stage says where the divergence enters, they only where it is seen (a misgrouped state of a single chunk
+        needs the final states to be seen, of two chunks not)."""
         trigger = self.localization.get("features", {}).get("trigger")
         if trigger is None:
             return None
         per_side = self.localization.get("per_side", {})
-        stages = tuple((side, per_side.get(side, {}).get("stages", {}).get("first"))
-                       for side in sorted(self.outcome.failing))
+        found = [per_side.get(side, {}).get("stages", {}) for side in sorted(self.outcome.failing)]
+        stages = tuple((side, f.get("first")) for side, f in zip(sorted(self.outcome.failing), found))
+        if all(f.get("first") and not f.get("inferred") for f in found):
+            trigger = [k for k in trigger if not (k in BY_KEY and BY_KEY[k].observes)]
         return tuple(sorted(self.outcome.failing)), tuple(trigger), stages
 
     def as_case(self) -> dict:

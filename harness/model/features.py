@@ -27,7 +27,8 @@ class Feature:
     key: the name stored and matched (capabilities, verdict.json); label: what it is called in messages ("the
     divergence needs ngroups > 1"); off: the case without it, in words (a minimizer step); present(case) ->
     bool; switch_off(case) -> Case (raises CaseError where the feature cannot be switched off alone); stage:
-    the pipeline stage that exists only because of it (harness/model/stages.py: STAGE_ORDER), or None."""
+    the pipeline stage that exists only because of it (harness/model/stages.py: STAGE_ORDER), or None;
+    observes: it only adds what is judged (gradients, final states) to a forward pass it leaves as it is."""
 
     key: str
     label: str
@@ -35,6 +36,7 @@ class Feature:
     present: Callable[[Case], bool]
     switch_off: Callable[[Case], Case]
     stage: Optional[str] = None
+    observes: bool = False
 
 
 def _no_seq_idx(c: Case) -> Case:
@@ -159,14 +161,14 @@ FEATURES = (
     Feature("scale", "input scale != 1", "scale 1", lambda c: c.regime.scale != 1.0,
             lambda c: c.replace(regime={"scale": 1.0})),
     Feature("batch", "batch > 1", "batch -> 1", lambda c: c.batch > 1, _one_row),
-    # what only adds outputs to judge, last: until then it shows a divergence that the others' switch-offs may
-    # hide from the rest (a misgrouped state seen in the final states while the decay erases it from y)
+    # what only observes, last: until then it shows a divergence that the others' switch-offs may hide from the
+    # rest (a misgrouped state seen in the final states while a strong decay erases it from y)
     Feature("backward", "the backward pass", "forward only", lambda c: c.backward,
-            lambda c: c.replace(pass_="forward", final_state_grad=False)),
+            lambda c: c.replace(pass_="forward", final_state_grad=False), observes=True),
     Feature("final_state_grad", "a final-state gradient", "no final-state gradient", lambda c: c.final_state_grad,
-            lambda c: c.replace(final_state_grad=False)),
+            lambda c: c.replace(final_state_grad=False), observes=True),
     Feature("final_states", "returned final states", "no final states", lambda c: c.return_final_states,
-            _no_final_states),
+            _no_final_states, observes=True),
 )
 BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)
