@@ -50,18 +50,30 @@ class Finding:
     def cause(self) -> Optional[tuple]:
         """What makes two divergences one cause: the failing sides, the minimal feature trigger and each failing
         side's first divergent stage (from the localization); None where it was not localized. Where every stage
-        is measured, the trigger's features that only observe (harness/model/features.py) are left out: the
-        stage says where the divergence enters, they only where it is seen (a misgrouped state of a single chunk
-        needs the final states to be seen, of two chunks not)."""
-        trigger = self.localization.get("features", {}).get("trigger")
+        is known (`stage_known`), the trigger's features that only observe (harness/model/features.py) are left
+        out: the stage says where the divergence enters, they only where it is seen (a misgrouped state of a
+        single chunk needs the final states to be seen, of two chunks not)."""
+        trigger = self.trigger()
         if trigger is None:
             return None
         per_side = self.localization.get("per_side", {})
-        found = [per_side.get(side, {}).get("stages", {}) for side in sorted(self.outcome.failing)]
-        stages = tuple((side, f.get("first")) for side, f in zip(sorted(self.outcome.failing), found))
-        if all(f.get("first") and not f.get("inferred") for f in found):
-            trigger = [k for k in trigger if not (k in BY_KEY and BY_KEY[k].observes)]
-        return tuple(sorted(self.outcome.failing)), tuple(trigger), stages
+        stages = tuple((side, per_side.get(side, {}).get("stages", {}).get("first"))
+                       for side in sorted(self.outcome.failing))
+        if self.stage_known():
+            trigger = tuple(k for k in trigger if not (k in BY_KEY and BY_KEY[k].observes))
+        return tuple(sorted(self.outcome.failing)), trigger, stages
+
+    def trigger(self) -> Optional[tuple]:
+        """The minimal feature trigger of the localization, or None."""
+        trigger = self.localization.get("features", {}).get("trigger")
+        return None if trigger is None else tuple(trigger)
+
+    def stage_known(self) -> bool:
+        """Whether every failing side's first divergent stage was measured (not inferred, not unknown: a side
+        exposing no stages, or one whose every stage is within budget)."""
+        per_side = self.localization.get("per_side", {})
+        found = [per_side.get(side, {}).get("stages", {}) for side in self.outcome.failing]
+        return all(f.get("first") and not f.get("inferred") for f in found)
 
     def as_case(self) -> dict:
         """This finding as one of the cases of another of its cause (`cases`)."""

@@ -55,22 +55,18 @@ def _no_final_states(c: Case) -> Case:
 
 
 def _unragged(c: Case) -> Case:
-    """seqlen down to a whole number of chunks, but never below two chunks where it had two (up to them when
-    shorter: a state passed between chunks stays), taking the tokens from each row's last sequence first (it
-    keeps a token), then from its padding, or adding them to that sequence: what else the case holds stays."""
-    Q = c.chunk_size
-    target = max(c.seqlen - c.seqlen % Q, min(c.nchunks, 2) * Q)
-    delta = target - c.seqlen
-    changes = dict(seqlen=target)
+    """seqlen up to a whole number of chunks, the tokens added to each row's padding where it has some, else to its
+    last sequence that has tokens: every token keeps its place and its sequence, every chunk stays."""
+    delta = -c.seqlen % c.chunk_size
+    changes = dict(seqlen=c.seqlen + delta)
     if c.segments is not None:
         pads = c.padding or (0,) * c.batch
-        segs, new_pads = [], []
+        segs = []
         for row, pad in zip(c.segments, pads):
-            from_last = max(delta, 1 - row[-1])              # negative: tokens taken; positive: tokens added
-            segs.append(row[:-1] + (row[-1] + from_last,))
-            new_pads.append(pad + delta - from_last)         # a negative count is the Case's error to raise
+            last = max((i for i, n in enumerate(row) if n), default=len(row) - 1)
+            segs.append(row if pad else row[:last] + (row[last] + delta,) + row[last + 1:])
         changes["segments"] = tuple(segs)
-        changes["padding"] = tuple(new_pads) if any(new_pads) else None
+        changes["padding"] = tuple(pad + delta if pad else 0 for pad in pads) if any(pads) else None
     return c.replace(**changes)
 
 
@@ -143,6 +139,10 @@ FEATURES = (
             lambda c: c.replace(seq_idx_start=0)),
     Feature("initial_states", "initial states", "no initial states", lambda c: c.initial_states,
             lambda c: c.replace(initial_states=False)),
+    # a milder decay before what moves dt: a state passed between chunks stays, where a larger dt under a strong
+    # decay would erase it and the divergence it carries
+    Feature("decay", "typical or strong decay", "mild decay", lambda c: c.regime.decay in ("typical", "strong"),
+            lambda c: c.replace(regime={"decay": "mild"})),
     Feature("dt_limit", "dt_limit", "no dt_limit", lambda c: c.dt_limit is not None,
             lambda c: c.replace(dt_limit=None)),
     # the mixer always adds dt_bias and applies softplus
@@ -156,8 +156,6 @@ FEATURES = (
             lambda c: c.replace(regime={"layout": "contiguous"})),
     Feature("dt_large", "dt above the softplus threshold", "dt below 20", lambda c: c.regime.dt_large,
             lambda c: c.replace(regime={"dt_large": False})),
-    Feature("decay", "typical or strong decay", "mild decay", lambda c: c.regime.decay in ("typical", "strong"),
-            lambda c: c.replace(regime={"decay": "mild"})),
     Feature("scale", "input scale != 1", "scale 1", lambda c: c.regime.scale != 1.0,
             lambda c: c.replace(regime={"scale": 1.0})),
     Feature("batch", "batch > 1", "batch -> 1", lambda c: c.batch > 1, _one_row),
