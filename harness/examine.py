@@ -109,17 +109,26 @@ def failing_tensors(verdict) -> set:
     return {t.name for t in verdict.failing if t.kind != "stage"}
 
 
-def same_divergence(before: Outcome, after: Outcome, min_ratio: float = 0.0) -> bool:
+def same_divergence(before: Outcome, after: Outcome, min_ratio: float = 0.0, on_what_is_left: bool = False) -> bool:
     """Whether ``after`` shows the divergence ``before`` showed: every side that failed before fails again with
     the same status and — unless the run itself failed (error, crash, hang) — in at least one of the same
     outputs or gradients. With ``min_ratio``, some failing side must also be at least that far over budget (or
-    non-finite)."""
+    non-finite). With ``on_what_is_left`` it is judged on the outputs and gradients ``after`` still has (a feature
+    switched off may take some away: final states, the gradients): some of ``before``'s failing ones must be
+    among them, and the status is compared over them alone."""
     strong = min_ratio <= 0
     for side, was in before.failing.items():
         now = after.verdicts.get(side)
-        if now is None or now.ok or now.status != was.status:
+        if now is None or now.ok:
             return False
-        if was.status not in RUN_FAILURES and not failing_tensors(was) & failing_tensors(now):
+        status, failing = was.status, failing_tensors(was)
+        if on_what_is_left and was.status not in RUN_FAILURES and now.status not in RUN_FAILURES:
+            left = {t.name for t in now.tensors if t.kind != "stage"}
+            failing &= left
+            status = max((t.status for t in was.failing if t.name in failing), key=severity, default="ok")
+        if now.status != status:
+            return False
+        if was.status not in RUN_FAILURES and not failing & failing_tensors(now):
             return False
         strong |= not math.isfinite(now.ratio) or now.ratio >= min_ratio
     return strong

@@ -13,9 +13,8 @@ ANY_CASE = cases(dtypes=("float32", "float16", "bfloat16"))
 
 
 def cannot_go_alone(case, key) -> bool:
-    """The two switch-offs that may have no valid result: a ragged chunk whose segments cannot give up the
-    tokens, and final states while varlen states are on."""
-    return (key == "ragged" and case.segments is not None) or (key == "final_states" and case.varlen_states)
+    """The one switch-off that may have no valid result: final states while varlen states are on."""
+    return key == "final_states" and case.varlen_states
 
 
 @given(ANY_CASE)
@@ -47,3 +46,24 @@ def test_capabilities_and_stages_name_the_tables_keys():
     for f in FEATURES:
         assert f.stage is None or f.stage in STAGE_ORDER, f"{f.key}: stage {f.stage!r} is not a pipeline stage"
     assert len(KEYS) == len(FEATURES)
+
+
+def test_the_ablation_switches_off_what_only_observes_last():
+    """Until the end, a feature that only observes shows a divergence the other switch-offs may hide elsewhere."""
+    observes = [f.key for f in FEATURES if f.observes]
+    assert observes == [f.key for f in FEATURES[-len(observes):]], [f.key for f in FEATURES]
+
+
+@given(ANY_CASE)
+def test_whole_chunks_keep_every_token_in_its_place_and_sequence(case):
+    """Switching the ragged last chunk off adds tokens: to a row's padding where it has some, else to its last
+    sequence; a state passed between chunks, and the padding tokens' inputs, stay as they were."""
+    off = switch_off(case, "ragged")
+    if off is None:
+        return
+    assert off.seqlen % off.chunk_size == 0 and case.seqlen < off.seqlen < case.seqlen + case.chunk_size
+    if case.segments is not None:
+        pads, new_pads = case.padding or (0,) * case.batch, off.padding or (0,) * off.batch
+        for row, new_row, pad, new_pad in zip(case.segments, off.segments, pads, new_pads):
+            grown = [i for i, (n, m) in enumerate(zip(row, new_row)) if n != m]
+            assert (new_row == row and new_pad > pad) if pad else (new_pad == 0 and len(grown) == 1), off.describe()

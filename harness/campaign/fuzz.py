@@ -182,20 +182,31 @@ class Fuzzer:
 
     def _merge_causes(self) -> None:
         """One cause, one finding: findings whose failing sides, minimal trigger and first divergent stages agree
-        (Finding.cause) become the cases of the first of them; their folders go."""
+        (Finding.cause) become the cases of the first of them; their folders go. A stage not known cannot tell
+        causes apart: a finding without one joins the one cause of its sides and trigger whose stage is known."""
         first: dict = {}
+        triggers: dict = {}             # cause -> the triggers of its findings
         for finding in list(self.report.findings):
             key = finding.cause()
             if key is None:
                 continue
+            triggers.setdefault(key, set()).add(finding.trigger())
             if key not in first:
                 first[key] = finding
                 continue
-            kept = first[key]
-            kept.cases += [finding.as_case()] + finding.cases
-            self.report.findings.remove(finding)
-            shutil.rmtree(finding.path, ignore_errors=True)
-            self._write(kept)
+            self._merge_into(first[key], finding)
+        for key, finding in list(first.items()):
+            if finding.stage_known():
+                continue
+            known = [k for k, f in first.items() if f.stage_known() and k[0] == key[0] and key[1] in triggers[k]]
+            if len(known) == 1:
+                self._merge_into(first[known[0]], finding)
+
+    def _merge_into(self, kept: Finding, finding: Finding) -> None:
+        kept.cases += [finding.as_case()] + finding.cases
+        self.report.findings.remove(finding)
+        shutil.rmtree(finding.path, ignore_errors=True)
+        self._write(kept)
 
     def localize(self, finding: Finding) -> None:
         """Stage, coordinates, trigger (harness/investigate/localize.py): re-runs with stages, ablations, configs.

@@ -12,6 +12,7 @@ from typing import Optional
 from ssdiff import exits, runtime
 from ssdiff.campaign.config import FuzzConfig
 from ssdiff.examine import PHASES, Outcome
+from ssdiff.model.features import BY_KEY
 from ssdiff.sides.environment import environment
 from ssdiff.verdict.judge import REQUIRED_GROUPS, factor_spread, required_factors
 
@@ -48,14 +49,31 @@ class Finding:
 
     def cause(self) -> Optional[tuple]:
         """What makes two divergences one cause: the failing sides, the minimal feature trigger and each failing
-        side's first divergent stage (from the localization); None where it was not localized."""
-        trigger = self.localization.get("features", {}).get("trigger")
+        side's first divergent stage (from the localization); None where it was not localized. Where every stage
+        is known (`stage_known`), the trigger's features that only observe (harness/model/features.py) are left
+        out: the stage says where the divergence enters, they only where it is seen (a misgrouped state of a
+        single chunk needs the final states to be seen, of two chunks not)."""
+        trigger = self.trigger()
         if trigger is None:
             return None
         per_side = self.localization.get("per_side", {})
         stages = tuple((side, per_side.get(side, {}).get("stages", {}).get("first"))
                        for side in sorted(self.outcome.failing))
-        return tuple(sorted(self.outcome.failing)), tuple(trigger), stages
+        if self.stage_known():
+            trigger = tuple(k for k in trigger if not (k in BY_KEY and BY_KEY[k].observes))
+        return tuple(sorted(self.outcome.failing)), trigger, stages
+
+    def trigger(self) -> Optional[tuple]:
+        """The minimal feature trigger of the localization, or None."""
+        trigger = self.localization.get("features", {}).get("trigger")
+        return None if trigger is None else tuple(trigger)
+
+    def stage_known(self) -> bool:
+        """Whether every failing side's first divergent stage was measured (not inferred, not unknown: a side
+        exposing no stages, or one whose every stage is within budget)."""
+        per_side = self.localization.get("per_side", {})
+        found = [per_side.get(side, {}).get("stages", {}) for side in self.outcome.failing]
+        return all(f.get("first") and not f.get("inferred") for f in found)
 
     def as_case(self) -> dict:
         """This finding as one of the cases of another of its cause (`cases`)."""

@@ -323,21 +323,28 @@ MAX_CONFIGS_SWEPT = 16
 def investigate(examiner, outcome, ablation_runs: Optional[int] = None, explore_configs: bool = False,
                 deadline: Optional[float] = None) -> tuple:
     """Localize ``outcome``'s divergence with ``examiner`` (ssdiff.examine.Examiner): the sides, the feature
-    trigger (ablations judged with ssdiff.examine.same_divergence), and per failing side the first divergent
-    stage and the coordinates, and with ``explore_configs`` the autotune configs that diverge. Returns
-    (localization dict, {side: the verdict with stages}); re-examining the case reuses its evidence."""
+    trigger (each switch-off judged with ssdiff.examine.same_divergence against the case it starts from, on what
+    it leaves), and per failing side the first divergent stage and the coordinates, and with ``explore_configs``
+    the autotune configs that diverge. Returns (localization dict, {side: the verdict with stages}); re-examining
+    the case reuses its evidence."""
     case = outcome.case
     choice = outcome.choice if outcome.choice != "sweep" else "tuned"
     failing = outcome.failing
     result = {"sides": sides(outcome.verdicts, outcome.pair or None)}
     texts = [result["sides"]["text"]]
 
+    # the case each switch-off starts from, examined: minimal_trigger keeps every switch-off that persists
+    start = [outcome]
+
     def same(candidate: Case) -> bool:
         try:
             again = examiner.examine(candidate, choice, sides=list(failing))
         except Exception:           # a case the oracle or the baseline cannot take: not the same divergence
             return False
-        return same_divergence(outcome, again)
+        if not same_divergence(start[0], again, on_what_is_left=True):
+            return False
+        start[0] = again
+        return True
 
     trigger = None
     if not any(v.status == "hang" for v in failing.values()):

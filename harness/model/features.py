@@ -27,7 +27,8 @@ class Feature:
     key: the name stored and matched (capabilities, verdict.json); label: what it is called in messages ("the
     divergence needs ngroups > 1"); off: the case without it, in words (a minimizer step); present(case) ->
     bool; switch_off(case) -> Case (raises CaseError where the feature cannot be switched off alone); stage:
-    the pipeline stage that exists only because of it (harness/model/stages.py: STAGE_ORDER), or None."""
+    the pipeline stage that exists only because of it (harness/model/stages.py: STAGE_ORDER), or None;
+    observes: it only adds what is judged (gradients, final states) to a forward pass it leaves as it is."""
 
     key: str
     label: str
@@ -35,6 +36,7 @@ class Feature:
     present: Callable[[Case], bool]
     switch_off: Callable[[Case], Case]
     stage: Optional[str] = None
+    observes: bool = False
 
 
 def _no_seq_idx(c: Case) -> Case:
@@ -53,21 +55,18 @@ def _no_final_states(c: Case) -> Case:
 
 
 def _unragged(c: Case) -> Case:
-    """seqlen down to a whole number of chunks (up to one chunk when shorter), taking the tokens from each row's
-    last sequence first (it keeps a token), then from its padding: what else the case holds stays as it is."""
-    Q = c.chunk_size
-    target = c.seqlen - c.seqlen % Q if c.seqlen >= Q else Q
-    delta = target - c.seqlen
-    changes = dict(seqlen=target)
+    """seqlen up to a whole number of chunks, the tokens added to each row's padding where it has some, else to its
+    last sequence that has tokens: every token keeps its place and its sequence, every chunk stays."""
+    delta = -c.seqlen % c.chunk_size
+    changes = dict(seqlen=c.seqlen + delta)
     if c.segments is not None:
         pads = c.padding or (0,) * c.batch
-        segs, new_pads = [], []
+        segs = []
         for row, pad in zip(c.segments, pads):
-            from_last = max(delta, 1 - row[-1])              # negative: tokens taken; positive: tokens added
-            segs.append(row[:-1] + (row[-1] + from_last,))
-            new_pads.append(pad + delta - from_last)         # a negative count is the Case's error to raise
+            last = max((i for i, n in enumerate(row) if n), default=len(row) - 1)
+            segs.append(row if pad else row[:last] + (row[last] + delta,) + row[last + 1:])
         changes["segments"] = tuple(segs)
-        changes["padding"] = tuple(new_pads) if any(new_pads) else None
+        changes["padding"] = tuple(pad + delta if pad else 0 for pad in pads) if any(pads) else None
     return c.replace(**changes)
 
 
@@ -90,13 +89,9 @@ def _one_row(c: Case) -> Case:
 
 
 # The order is the ablation's (minimal_trigger tries them in it) and `without`'s: a feature whose switch-off
-# changes the fields another's reads (seq_idx before padding and ragged, varlen_states before final_states)
-# comes first.
+# changes the fields another's reads (seq_idx before padding and ragged, varlen_states before final_states,
+# backward before final_state_grad) comes first.
 FEATURES = (
-    Feature("backward", "the backward pass", "forward only", lambda c: c.backward,
-            lambda c: c.replace(pass_="forward", final_state_grad=False)),
-    Feature("final_state_grad", "a final-state gradient", "no final-state gradient", lambda c: c.final_state_grad,
-            lambda c: c.replace(final_state_grad=False)),
     Feature("groups", "ngroups > 1", "ngroups 1", lambda c: c.ngroups > 1, lambda c: c.replace(ngroups=1)),
     Feature("rmsnorm", "rmsnorm", "no rmsnorm", lambda c: c.rmsnorm,
             lambda c: c.replace(rmsnorm=False, norm_before_gate=True), stage="normed"),
@@ -144,8 +139,10 @@ FEATURES = (
             lambda c: c.replace(seq_idx_start=0)),
     Feature("initial_states", "initial states", "no initial states", lambda c: c.initial_states,
             lambda c: c.replace(initial_states=False)),
-    Feature("final_states", "returned final states", "no final states", lambda c: c.return_final_states,
-            _no_final_states),
+    # a milder decay before what moves dt: a state passed between chunks stays, where a larger dt under a strong
+    # decay would erase it and the divergence it carries
+    Feature("decay", "typical or strong decay", "mild decay", lambda c: c.regime.decay in ("typical", "strong"),
+            lambda c: c.replace(regime={"decay": "mild"})),
     Feature("dt_limit", "dt_limit", "no dt_limit", lambda c: c.dt_limit is not None,
             lambda c: c.replace(dt_limit=None)),
     # the mixer always adds dt_bias and applies softplus
@@ -159,11 +156,17 @@ FEATURES = (
             lambda c: c.replace(regime={"layout": "contiguous"})),
     Feature("dt_large", "dt above the softplus threshold", "dt below 20", lambda c: c.regime.dt_large,
             lambda c: c.replace(regime={"dt_large": False})),
-    Feature("decay", "typical or strong decay", "mild decay", lambda c: c.regime.decay in ("typical", "strong"),
-            lambda c: c.replace(regime={"decay": "mild"})),
     Feature("scale", "input scale != 1", "scale 1", lambda c: c.regime.scale != 1.0,
             lambda c: c.replace(regime={"scale": 1.0})),
     Feature("batch", "batch > 1", "batch -> 1", lambda c: c.batch > 1, _one_row),
+    # what only observes, last: until then it shows a divergence that the others' switch-offs may hide from the
+    # rest (a misgrouped state seen in the final states while a strong decay erases it from y)
+    Feature("backward", "the backward pass", "forward only", lambda c: c.backward,
+            lambda c: c.replace(pass_="forward", final_state_grad=False), observes=True),
+    Feature("final_state_grad", "a final-state gradient", "no final-state gradient", lambda c: c.final_state_grad,
+            lambda c: c.replace(final_state_grad=False), observes=True),
+    Feature("final_states", "returned final states", "no final states", lambda c: c.return_final_states,
+            _no_final_states, observes=True),
 )
 BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)
