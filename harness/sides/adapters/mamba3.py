@@ -9,8 +9,9 @@
 Both run on a GPU only: their kernels use inline PTX (tl.inline_asm_elementwise for the cos, sin and tanh
 approximations) and the combined forward TMA tensor descriptors with a CUDA allocator, which the Triton interpreter
 cannot run (`unavailable` says so in one line). mamba3_siso_combined casts q, k, v, trap, angles and z to bfloat16
-whatever it is given, so the adapters take bfloat16 cases; headdim and dstate must be powers of two (the TMA block
-shapes), the rope angles even (its assertion), chunk_size at least 16 (tl.dot's smallest block). The Mamba3 module
+whatever it is given, so the adapters take bfloat16 cases; headdim and dstate must be powers of two of at least 8
+(the TMA block shapes, 16 bytes at least), the rope angles even (its assertion), chunk_size at least 16 (tl.dot's
+smallest block). The Mamba3 module
 (its in_proj, B/C norms and MIMO path) is not adapted yet.
 """
 
@@ -45,6 +46,9 @@ LIMITS = (
           "needs headdim (headdim_v) and dstate (headdim_qk) powers of two (its TMA block shapes)"),
     limit(lambda c: c.rope_angles % 2, "needs an even number of rope angles (its assertion headdim_angles % 2 == 0)"),
     limit(lambda c: c.chunk_size < 16, "needs chunk_size >= 16 (tl.dot's smallest block)"),
+    limit(lambda c: min(c.headdim, c.dstate) < 8,
+          "needs headdim and dstate >= 8 (a TMA block's last dimension holds at least 16 bytes; below that Triton's "
+          "compiler raises 'Descriptor block shape must have at least 16 bytes')"),
 )
 # On a GPU: headdim below, at and above 64, dstate up to 128, the chunk sizes the kernels are tuned for.
 NATIVE = Domain(interpreted=Bounds(max_batch=1, max_seqlen=8, max_nheads=1, max_headdim=4, max_dstate=4,
