@@ -37,6 +37,9 @@ SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bia
 LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "in_proj_bias", "conv1d_weight", "conv1d_bias", "dt_bias", "A_log",
                         "D", "rmsnorm_weight", "outproj_weight", "outproj_bias")
 
+# The Mamba3 module's input and every one of its parameters (harness/truth/mamba3_layer.py).
+MAMBA3_LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "dt_bias", "k_norm_weight", "q_norm_weight", "k_bias", "q_bias",
+                               "D", "rmsnorm_weight", "outproj_weight")
 # The Mamba-3 scan's inputs (harness/truth/README.md, "Mamba-3"), each a leaf: the four input states too.
 MAMBA3_DIFFERENTIABLE = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "init_angle",
                          "initial_states", "init_k", "init_v")
@@ -46,6 +49,8 @@ def differentiable_names(case: Case) -> tuple:
     """The inputs of ``case``'s entry point that have gradients."""
     if case.entry == "mamba3":
         return MAMBA3_DIFFERENTIABLE
+    if case.entry == "mamba3_layer":
+        return MAMBA3_LAYER_DIFFERENTIABLE
     if case.entry == "layer":
         return LAYER_DIFFERENTIABLE
     return CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
@@ -165,7 +170,7 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
         wide_order = tuple(name for name in ("z", "x", "B", "C", "dt") if name in vals)
 
     seq_idx = seq_idx_rows(case)
-    cu = cu_seqlens(case) if case.varlen_states or case.entry == "mamba3" else None
+    cu = cu_seqlens(case) if case.varlen_states or case.entry in ("mamba3", "mamba3_layer") else None
     return Inputs(
         case=case,
         device=device,
