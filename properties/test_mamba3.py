@@ -12,11 +12,23 @@ records in harness/sides/adapters/mamba3.py):
 - each planted bug of the double (a trapezoid weight off by one token, an angle cumsum restarting at each chunk, a
   step dropping the K state it carries) is found by a short default campaign, in the outputs its feature feeds,
   and the feature ablation names what it needs.
+
+The Mamba3 module (the mamba3_layer entry; its oracle's agreement and gradcheck are in the same two files):
+- its fields validate in one line, and its scan is a valid mamba3 case;
+- prefill-then-decode consistency of its oracle: the chunked order over [0, L - k) and k recurrence steps from
+  the four states it returned equal the whole-sequence truth;
+- the float32 double of the module, forward, backward and decoded, is within budget, and its planted B/C norm over
+  all groups is found by a default campaign, with ngroups > 1 as its trigger;
+- the adapter of mamba_ssm's Mamba3 (a GPU-only kernel) maps every parameter of the module it builds to a case
+  tensor of the same shape, and the MIMO record says in one line why it is not driven.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +42,9 @@ from ssdiff.model.bounds import Bounds  # noqa: E402
 from ssdiff.model.case import Case, CaseError, Regime  # noqa: E402
 from ssdiff.model.strategies import cases  # noqa: E402
 from ssdiff.testing import ONE_CONFIG, agrees_with_oracle, examples, found_by_campaign, state_continuation  # noqa: E402
+from ssdiff.inputs import materialize  # noqa: E402
+from ssdiff import truth  # noqa: E402
+from ssdiff.truth import mamba3_layer  # noqa: E402
 
 BOUNDS = Bounds(max_batch=2, max_seqlen=20, max_nheads=4, max_headdim=4, max_dstate=8, chunk_sizes=(4, 8))
 # the step bug's campaign localizes its finding (the feature ablation examines a case per feature): shorter cases
@@ -127,3 +142,81 @@ def test_a_step_that_drops_the_k_state_it_carries_is_found_in_the_decoded_tokens
     assert case.mamba3_steps >= 1 and "mamba3_steps" in finding.localization["features"]["trigger"], case.describe()
     tokens = [c["tokens"] for c in finding.localization["per_side"][spec]["coordinates"] if "tokens" in c]
     assert tokens and all(t["first"] >= case.seqlen - case.mamba3_steps for t in tokens), tokens
+
+
+# ---- the Mamba3 module (mamba3_layer) ---------------------------------------------------------------------
+
+M3L = dict(entry="mamba3_layer", return_final_states=False, rmsnorm_eps=1e-5)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(M3L, dstate=6, d_model=8, nheads=2, headdim=3), "d_model=8 must divide d_inner = nheads * headdim = 6"),
+    (dict(M3L, has_dt_bias=False), "has_dt_bias / dt_softplus / dt_limit: a Mamba3 module always adds dt_bias"),
+    (dict(M3L, D="none"), "D: a Mamba3 module's D is per head"),
+    (dict(M3L, has_z=True), "has_z / initial_states / return_final_states: a Mamba3 module takes z from in_proj"),
+    (dict(M3L, mamba3_steps=2), "mamba3_steps=2: a mamba3_layer decodes through layer_steps"),
+    (dict(M3L, seqlen=4, layer_steps=4), "layer_steps=4 must satisfy 0 <= layer_steps < seqlen=4"),
+    (dict(M3L, layer_steps=2, pass_="backward"), "layer_steps: decoding is forward only"),
+    (dict(M3L, norm_before_gate=False), "norm_before_gate: a Mamba3 module's output norm gates after normalizing"),
+    (dict(M3L, dstate=5), "the scan of this Mamba3 module: dstate=5 (headdim_qk) must be even"),
+])
+def test_mamba3_layer_fields_are_validated_with_one_line_naming_the_field(fields, words):
+    with pytest.raises(CaseError, match=re.escape(words)):
+        Case(**fields)
+
+
+def test_a_mamba3_layer_case_round_trips_and_its_scan_is_a_mamba3_case():
+    case = Case(**M3L, seqlen=9, dstate=6, d_model=4, rope_fraction=1.0, rmsnorm=True, layer_steps=3)
+    assert Case.from_json(case.to_json()) == case
+    assert "d_model=4 outproj_norm steps=3 rope=1" in case.describe()
+    scan = case.mamba3_scan
+    assert (scan.entry, scan.mamba3_steps, scan.has_z, scan.rope_angles) == ("mamba3", 3, False, 3)
+
+
+@settings(max_examples=examples(6, 6))
+@given(cases(entry="mamba3_layer", backward=False, bounds=BOUNDS).filter(lambda c: c.segments is None and c.seqlen > 1),
+       st.integers(1, BOUNDS.max_seqlen - 1))
+@example(Case(**M3L, batch=2, seqlen=11, nheads=4, ngroups=2, dstate=8, chunk_size=4, d_model=8, rmsnorm=True,
+              rope_fraction=1.0, regime=Regime(decay="mild")), 5)
+def test_the_mamba3_module_oracle_decodes_to_its_whole_sequence_truth(device, case, split):
+    """Its chunked order over a prefill, then one `mamba3.step` per token from the four states the prefill returned
+    (as generation runs the module), gives the output of the whole sequence in one forward."""
+    inputs = materialize(case, device)
+    t = inputs.float64()
+    whole = truth.call("ref.recurrent", case, t, inputs.seq_idx).outputs["y"]
+    decoded = mamba3_layer.decode(case, t, min(split, case.seqlen - 1)).outputs["y"]
+    assert torch.allclose(decoded, whole, rtol=1e-10, atol=1e-12 * float(whole.abs().max())), \
+        float((decoded - whole).abs().max())
+
+
+@settings(max_examples=examples(3, 6))
+@given(cases(entry="mamba3_layer", dtypes=("float32", "bfloat16"), bounds=BOUNDS))
+@example(Case(**M3L, batch=2, seqlen=13, nheads=2, ngroups=2, headdim=4, dstate=4, chunk_size=4, d_model=4,
+              layer_steps=3, seed=3))
+@example(Case(**M3L, seqlen=12, nheads=4, ngroups=2, headdim=2, dstate=6, chunk_size=4, d_model=8, rmsnorm=True,
+              segments=((5, 0, 7),), dtype="bfloat16", pass_="backward", seed=5))
+def test_the_float32_mamba3_module_double_is_within_budget(device, case):
+    with Examiner(["ssdiff.sides.doubles:mamba3_layer"], device) as examiner:
+        agrees_with_oracle(examiner, case, ONE_CONFIG)
+
+
+def test_a_b_c_norm_over_all_groups_is_found_with_groups_as_its_trigger(tmp_path, device):
+    spec = "ssdiff.sides.doubles:mamba3_layer_bc_norm_bug"
+    finding, report = found_by_campaign(spec, tmp_path, device, "mamba3_layer", BOUNDS, max_examples=30)
+    case = finding.outcome.case
+    assert case.ngroups > 1 and failing(finding, spec), case.describe()
+    assert "groups" in finding.localization["features"]["trigger"], finding.localization["features"]
+
+
+def test_the_mamba3_module_adapter_gives_every_parameter_of_its_module_a_case_tensor_of_its_shape(device):
+    from ssdiff.sides.registry import get
+
+    impl = get("mamba_ssm.mamba3_module")
+    for case in (Case(**M3L, seqlen=5, nheads=4, ngroups=2, headdim=4, dstate=8, d_model=8, rmsnorm=True),
+                 Case(**M3L, seqlen=5, nheads=2, headdim=8, dstate=4, d_model=4, rope_fraction=1.0)):
+        module = impl.build(case)
+        given_ = impl.parameters(case, materialize(case, device).native())
+        assert {n: tuple(p.shape) for n, p in module.named_parameters()} == \
+            {n: tuple(t.shape) for n, t in given_.items()}, case.describe()
+    mimo = get("mamba_ssm.mamba3_module_mimo").unavailable()
+    assert mimo and "\n" not in mimo and "SISO only" in mimo, mimo
