@@ -220,3 +220,63 @@ def test_the_mamba3_module_adapter_gives_every_parameter_of_its_module_a_case_te
             {n: tuple(t.shape) for n, t in given_.items()}, case.describe()
     mimo = get("mamba_ssm.mamba3_module_mimo").unavailable()
     assert mimo and "\n" not in mimo and "SISO only" in mimo, mimo
+
+
+def _combined_standin(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, chunk_size=64,
+                      Input_States=None, return_final_states=False, cu_seqlens=None, **_):
+    """mamba3_siso_combined's contract (harness/sides/adapters/mamba3.py) computed by the float32 scan double."""
+    from ssdiff.sides.doubles import Mamba3Kernel
+
+    b, L, h, p = V.shape
+    g, n, a = Q.shape[2], Q.shape[3], Angles.shape[-1]
+    bounds = None if cu_seqlens is None else [int(v) for v in cu_seqlens]
+    scan = Case(entry="mamba3", batch=b, seqlen=L, nheads=h, headdim=p, ngroups=g, dstate=n, chunk_size=chunk_size,
+                D="none" if D is None else "head", has_z=Z is not None, has_dt_bias=False, dt_softplus=False,
+                segments=None if bounds is None else (tuple(e - s for s, e in zip(bounds, bounds[1:])),),
+                return_final_states=return_final_states,
+                rope_fraction=next(f for f in (0.5, 1.0) if (int(n * f) // 2 * 2) // 2 == a))
+    t = dict(q=Q, k=K, v=V, adt=ADT.transpose(1, 2), dt=DT.transpose(1, 2), trap=Trap.transpose(1, 2), q_bias=Q_bias,
+             k_bias=K_bias, angles=Angles, D=D, z=Z)
+    out, _ = Mamba3Kernel().compute(scan, {k: v.float() for k, v in t.items() if v is not None}, None)
+    if not return_final_states:
+        return out["y"].to(V.dtype)
+    return (out["y"].to(V.dtype), out["final_angle"], out["final_states"], out["final_k"], out["final_v"].to(V.dtype))
+
+
+def _step_standin(state, Bstate, Xstate, A, B, C, D, x, dt, trap, xproj, outproj=None, state_out=None, out=None,
+                  z=None, zproj=None, **_):
+    """mamba3_step_fn's contract (SISO: rank 1, the projections ones): the state updated in place by the trapezoid
+    from the K and V states and this token's rotated B, y = S C + D x (gated by z where given) written to ``out``."""
+    alpha = torch.exp(A * dt)
+    carried = (alpha * dt * (1 - trap))[..., None, None] * Xstate.float()[..., None] * Bstate[:, 0].float()[:, :, None]
+    own = (dt * trap)[..., None, None] * x.float()[..., None] * B[:, 0].float()[:, :, None]
+    state.copy_(alpha[..., None, None] * state + carried + own)
+    y = torch.einsum("bhpn,bhn->bhp", state, C[:, 0].float()) + D[:, None] * x.float()
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.float())
+    out.copy_(y if outproj is not None else y[:, None])
+
+
+def test_the_mamba3_module_adapter_drives_the_module_with_the_case_weights(monkeypatch, device):
+    """The adapter's glue (the parameter map, cu_seqlens, the prefill's cache and the step() loop) around the real
+    module, its two GPU-only kernels replaced by the float32 doubles of their contracts above (the rotary step
+    kernel and the norms are mamba_ssm's own): within budget of the oracle, forward, backward and decoded."""
+    import dataclasses
+
+    from ssdiff.sides.adapters import mamba3_module
+    from ssdiff.sides.registry import get
+
+    module = mamba3_module.mamba3_module()
+    monkeypatch.setattr(module, "mamba3_siso_combined", _combined_standin)
+    monkeypatch.setattr(module, "mamba3_step_fn", _step_standin)
+    impl = get("mamba_ssm.mamba3_module")
+    monkeypatch.setattr(impl, "unavailable", lambda: None)
+    monkeypatch.setattr(impl, "capabilities", dataclasses.replace(impl.capabilities, devices=frozenset({"cpu", "cuda"}),
+                                                                  dtypes=frozenset({"float32"})))
+    shared = dict(M3L, nheads=2, headdim=4, chunk_size=16, d_model=4)
+    for case in (Case(**shared, seqlen=20, ngroups=2, dstate=8, segments=((7, 0, 13),), seed=1),
+                 Case(**shared, seqlen=9, rmsnorm=True, rope_fraction=1.0, dstate=4, pass_="backward", seed=2),
+                 Case(**shared, batch=2, seqlen=10, dstate=8, layer_steps=4, seed=3),
+                 Case(**shared, batch=2, seqlen=10, dstate=8, rmsnorm=True, layer_steps=2, seed=4)):
+        with Examiner([impl.name], device) as examiner:
+            agrees_with_oracle(examiner, case, ONE_CONFIG)
