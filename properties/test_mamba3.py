@@ -20,7 +20,9 @@ The Mamba3 module (the mamba3_layer entry; its oracle's agreement and gradcheck 
 - the float32 double of the module, forward, backward and decoded, is within budget, and its planted B/C norm over
   all groups is found by a default campaign, with ngroups > 1 as its trigger;
 - the adapter of mamba_ssm's Mamba3 (a GPU-only kernel) maps every parameter of the module it builds to a case
-  tensor of the same shape, and the MIMO record says in one line why it is not driven.
+  tensor of the same shape, and the MIMO record says in one line why it is not driven; with the module's two
+  GPU-only kernels replaced by float32 doubles of their contracts, the adapter's glue is within budget on the CPU;
+- repro.py's own account of the module passes the healthy double and diverges on the planted bug.
 """
 
 from __future__ import annotations
@@ -280,3 +282,26 @@ def test_the_mamba3_module_adapter_drives_the_module_with_the_case_weights(monke
                  Case(**shared, batch=2, seqlen=10, dstate=8, rmsnorm=True, layer_steps=2, seed=4)):
         with Examiner([impl.name], device) as examiner:
             agrees_with_oracle(examiner, case, ONE_CONFIG)
+
+
+def test_a_mamba3_layer_repro_passes_the_healthy_double_and_diverges_on_the_planted_bug(tmp_path, device):
+    """repro.py's own float64 account of the module (its template) judges as ssdiff does: the healthy double within
+    the budgets it recorded, the B/C norm over all groups out of them."""
+    import os
+    import subprocess
+    import sys
+
+    from ssdiff.reproduce import repro
+
+    case = Case(**M3L, seqlen=9, nheads=2, ngroups=2, headdim=2, dstate=4, chunk_size=4, d_model=4, rmsnorm=True,
+                pass_="backward")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # its sides come through this ssdiff
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    for spec, code in (("ssdiff.sides.doubles:mamba3_layer", 0), ("ssdiff.sides.doubles:mamba3_layer_bc_norm_bug", 1)):
+        with Examiner([spec], device) as examiner:
+            outcome = examiner.examine(case)
+        path = repro.write(tmp_path / f"repro_{code}.py", case, [spec], outcome.inputs, outcome.truth,
+                           outcome.baseline, 4.0, "the mamba3_layer repro")
+        run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+        assert run.returncode == code and ("DIVERGES" in run.stdout) == bool(code), run.stdout + run.stderr
