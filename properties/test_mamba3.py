@@ -17,8 +17,9 @@ The Mamba3 module (the mamba3_layer entry; its oracle's agreement and gradcheck 
 - its fields validate in one line, and its scan is a valid mamba3 case;
 - prefill-then-decode consistency of its oracle: the chunked order over [0, L - k) and k recurrence steps from
   the four states it returned equal the whole-sequence truth;
-- the float32 double of the module, forward, backward and decoded, is within budget, and its planted B/C norm over
-  all groups is found by a default campaign, with ngroups > 1 as its trigger;
+- the float32 double of the module, forward, backward and decoded, is within budget; its planted B/C norm over all
+  groups is found by a default campaign, with ngroups > 1 as its trigger, and its step dropping the K state in the
+  decoded tokens, with layer_steps as its trigger;
 - the adapter of mamba_ssm's Mamba3 (a GPU-only kernel) maps every parameter of the module it builds to a case
   tensor of the same shape, and the MIMO record says in one line why it is not driven; with the module's two
   GPU-only kernels replaced by float32 doubles of their contracts, the adapter's glue is within budget on the CPU;
@@ -208,6 +209,16 @@ def test_a_b_c_norm_over_all_groups_is_found_with_groups_as_its_trigger(tmp_path
     case = finding.outcome.case
     assert case.ngroups > 1 and failing(finding, spec), case.describe()
     assert "groups" in finding.localization["features"]["trigger"], finding.localization["features"]
+
+
+def test_a_module_step_that_drops_the_k_state_is_found_in_the_decoded_tokens(tmp_path, device):
+    spec = "ssdiff.sides.doubles:mamba3_layer_step_drops_k_bug"
+    finding, report = found_by_campaign(spec, tmp_path, device, "mamba3_layer", SMALL, max_examples=80,
+                                        pass_="forward")
+    case = finding.outcome.case
+    assert case.layer_steps >= 1 and "layer_steps" in finding.localization["features"]["trigger"], case.describe()
+    tokens = [c["tokens"] for c in finding.localization["per_side"][spec]["coordinates"] if "tokens" in c]
+    assert tokens and all(t["first"] >= case.seqlen - case.layer_steps for t in tokens), tokens
 
 
 def test_the_mamba3_module_adapter_gives_every_parameter_of_its_module_a_case_tensor_of_its_shape(device):
