@@ -13,6 +13,10 @@ d_model), in_proj (zxbcdt width, d_model) and its bias, the conv1d (and its bias
 the norm's weight, out_proj (d_model, d_inner) and its bias. dt reaches the scan as in_proj's dt rows applied to
 u, plus dt_bias: the rows are scaled so the pre-softplus dt sits where the regime wants it, as in the scan.
 
+The mamba3_layer entry draws the Mamba3 module's weights likewise (harness/truth/README.md, "The Mamba3 module"): u,
+in_proj (its rows z, x, B, C, dd_dt, dd_A, trap, angles), dt_bias, the B/C norms' weights, q_bias and k_bias, D,
+the output norm's weight and out_proj.
+
 The decode entry draws the chunk scan's values over the whole sequence; its step kernel starts from ``state``,
 the state after the prefill (the float64 chunked oracle's final state over the first ``seqlen - decode_steps``
 tokens, rounded once to ``case.state_dtype``: the prefill's rounding is no step kernel's error), and maps rows
