@@ -10,14 +10,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ssdiff.model.case import Case, CaseError, Regime
+from ssdiff.model.case import ENTRY_POINTS, Case, CaseError, Regime
 from ssdiff.inputs import materialize
 from ssdiff.model.strategies import cases
 
 VALID = Case(batch=2, seqlen=12, nheads=8, ngroups=2).to_dict()
+# cases of every entry point (cases() alone draws chunk_scan and split_conv1d)
+EVERY_ENTRY = st.sampled_from(ENTRY_POINTS).flatmap(lambda e: cases(entry=e, dtypes=("float32", "float16", "bfloat16")))
 
 
-@given(cases(dtypes=("float32", "float16", "bfloat16")))
+@given(st.one_of(cases(dtypes=("float32", "float16", "bfloat16")), EVERY_ENTRY))
 def test_json_round_trips_exactly(case):
     text = case.to_json()
     again = Case.from_json(text)
@@ -25,7 +27,7 @@ def test_json_round_trips_exactly(case):
     assert again.to_json() == text
 
 
-@given(cases())
+@given(st.one_of(cases(), EVERY_ENTRY))
 def test_description_is_one_line(case):
     text = case.describe()
     assert "\n" not in text and case.entry in text and f"seed={case.seed}" in text
@@ -74,7 +76,7 @@ def test_cli_refuses_bad_case_files_with_one_line(tmp_path, text, message):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-@given(cases(dtypes=("float32", "float16", "bfloat16")))
+@given(st.one_of(cases(dtypes=("float32", "float16", "bfloat16")), EVERY_ENTRY))
 def test_inputs_are_deterministic_and_rounded_once(device, case):
     a, b = materialize(case, device), materialize(case, device)
     assert a.values.keys() == b.values.keys()
@@ -118,7 +120,7 @@ def _on_meta(case) -> bool:
     return all(t.device.type == "meta" for t in [*values.values(), *grads.values()])
 
 
-@given(st.sampled_from(("chunk_scan", "split_conv1d", "decode", "layer")).flatmap(lambda e: cases(entry=e)))
+@given(EVERY_ENTRY)
 def test_every_drawn_tensor_lands_on_the_device_asked_for(case):
     """Drawn for the meta device (whose tensors, like a GPU's, refuse to meet the CPU's in one operation), every
     value and cotangent lands there: a device mix in draw fails here, on a machine without a GPU too."""

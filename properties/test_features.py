@@ -4,12 +4,14 @@ with nothing new, and everything that names features (capabilities, stages) name
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ssdiff.model.case import ENTRY_POINTS
 from ssdiff.model.features import FEATURES, KEYS, present, switch_off, without
 from ssdiff.sides.registry import all_implementations
 from ssdiff.model.stages import STAGE_ORDER
 from ssdiff.model.strategies import cases
 
-ANY_CASE = cases(dtypes=("float32", "float16", "bfloat16"))
+ANY_CASE = st.one_of(cases(dtypes=("float32", "float16", "bfloat16")),
+                     st.sampled_from(ENTRY_POINTS).flatmap(lambda e: cases(entry=e, dtypes=("float32", "bfloat16"))))
 
 
 def cannot_go_alone(case, key) -> bool:

@@ -1,5 +1,5 @@
 """The three float64 oracles (recurrent, quadratic, chunked) agree on every output, gradient and stage, over
-generated cases spanning every feature of the Mamba-2 entry points, and of the Mamba-3 scan."""
+generated cases spanning every feature of the Mamba-2 entry points, of the Mamba-3 scan and of the Mamba3 module."""
 
 import torch
 from hypothesis import example, given, settings
@@ -32,6 +32,17 @@ def test_three_oracles_agree(device, case):
 def test_three_oracles_agree_on_mamba3(device, case):
     """The Mamba-3 scan's three orders (harness/truth/mamba3.py) agree on y, the four final states and every
     gradient."""
+    oracles_agree(case, device)
+
+
+@settings(max_examples=examples(6, 6))
+@given(cases(entry="mamba3_layer", dtypes=("float32", "bfloat16"), bounds=Bounds(max_seqlen=20, max_nheads=4)))
+@example(Case(entry="mamba3_layer", seqlen=9, nheads=4, ngroups=2, headdim=2, dstate=4, chunk_size=4, d_model=4,
+              rmsnorm=True, rmsnorm_eps=1e-5, return_final_states=False, segments=((3, 0, 6),), pass_="backward",
+              regime=Regime(dt_large=True), seed=7))
+def test_three_oracles_agree_on_the_mamba3_module(device, case):
+    """The Mamba3 module (harness/truth/mamba3_layer.py) around each of the scan's orders: y and the gradients of
+    u and every parameter."""
     oracles_agree(case, device)
 
 

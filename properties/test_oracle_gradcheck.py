@@ -1,5 +1,6 @@
 """The recurrent oracle's gradients are exact: torch.autograd.gradcheck on tiny cases of both entry points
-(every differentiable input at once, against central finite differences in float64), and on the Mamba-3 scan."""
+(every differentiable input at once, against central finite differences in float64), on the Mamba-3 scan and on
+the Mamba3 module."""
 
 import dataclasses
 
@@ -58,6 +59,27 @@ def test_recurrent_oracle_gradients_pass_gradcheck_on_mamba3(device, case):
 
     leaves = tuple(tensors[n].clone().requires_grad_(True) for n in names)
     assert torch.autograd.gradcheck(f, leaves, eps=EPS, atol=finite_difference_floor(f(*leaves)), rtol=1e-5,
+                                    raise_exception=True, fast_mode=True)
+
+
+@settings(max_examples=examples(3, 3))
+@given(cases(entry="mamba3_layer", backward=True, bounds=dataclasses.replace(TINY, max_dstate=4)))
+@example(Case(entry="mamba3_layer", seqlen=5, nheads=2, ngroups=2, headdim=2, dstate=4, chunk_size=2, d_model=2,
+              rmsnorm=True, rmsnorm_eps=1e-5, return_final_states=False, rope_fraction=1.0, segments=((2, 3),),
+              pass_="backward", seed=3))
+def test_recurrent_oracle_gradients_pass_gradcheck_on_the_mamba3_module(device, case):
+    """u and every parameter of the Mamba3 module against y, in fast mode (as the scan's). The norms' eps at 1e-2
+    for the reason the Mamba-2 property gives (integer inputs make a B/C head exactly zero)."""
+    case = case.replace(rmsnorm_eps=1e-2)
+    inputs = materialize(case, device)
+    tensors = inputs.float64()
+    names = inputs.differentiable
+
+    def f(*leaves):
+        return call("ref.recurrent", case, dict(tensors, **dict(zip(names, leaves))), inputs.seq_idx).outputs["y"]
+
+    leaves = tuple(tensors[n].clone().requires_grad_(True) for n in names)
+    assert torch.autograd.gradcheck(f, leaves, eps=EPS, atol=finite_difference_floor((f(*leaves),)), rtol=1e-5,
                                     raise_exception=True, fast_mode=True)
 
 

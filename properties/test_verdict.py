@@ -62,10 +62,14 @@ def test_healthy_float32_implementations_are_within_budget(case, device):
 HEALTHY_CASES = {"chunk_scan": Case(batch=2, seqlen=12, nheads=2, headdim=3, dstate=4, chunk_size=4, has_z=True),
                  "split_conv1d": Case(entry="split_conv1d", seqlen=8, nheads=2, headdim=4, dstate=4, rmsnorm=True),
                  "layer": Case(entry="layer", seqlen=5, nheads=2, headdim=4, dstate=4, chunk_size=4, d_model=8,
-                               return_final_states=False, rmsnorm=True, rmsnorm_eps=1e-5, norm_before_gate=False)}
+                               return_final_states=False, rmsnorm=True, rmsnorm_eps=1e-5, norm_before_gate=False),
+                 "mamba3_layer": Case(entry="mamba3_layer", seqlen=7, nheads=2, ngroups=2, headdim=2, dstate=4,
+                                      chunk_size=4, d_model=4, return_final_states=False, rmsnorm=True,
+                                      rmsnorm_eps=1e-5)}
 
 
-@pytest.mark.parametrize("impl", [doubles.healthy, doubles.mixer, doubles.layer], ids=lambda impl: impl.name)
+@pytest.mark.parametrize("impl", [doubles.healthy, doubles.mixer, doubles.layer, doubles.mamba3_layer],
+                         ids=lambda impl: impl.name)
 def test_the_healthy_doubles_compute_with_none_of_the_budgets_model(impl, device):
     """The budget is a multiple of what the budget's model (harness/budget/) gets wrong on the case: a healthy
     double that computed with that model would be measured against itself, within budget by construction in

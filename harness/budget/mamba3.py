@@ -12,7 +12,12 @@ those kernels compute, each rounding point as `ssdiff.budget.rounding.Rounding` 
   cumsum of adt, as the kernel takes them;
 - y stored in the case dtype after the D skip and the z gate; the final SSM state and K state kept in float32;
 - the steps of ``mamba3_steps``: the step function's float32 update ``S alpha + beta v_-1 k_-1^T + gamma v k^T``,
-  and ``y = S q`` with both operands rounded as matrix-product operands.
+  and ``y = S q`` with both operands rounded as matrix-product operands;
+- `layer`, the Mamba3 module (the mamba3_layer entry) around that scan: in_proj as torch's ``F.linear`` on the
+  stored u and weight, its output stored in the case dtype; ``dt = softplus(dd_dt + dt_bias)``, ``A`` and ``A dt``
+  in float32; the B/C norms in float32, the normalized value a rounding point, stored in the case dtype (the norm
+  kernel's output); with ``layer_steps`` the K state the module's cache holds between steps in the case dtype
+  (its in_proj's); the output norm per head as `ssdiff.budget.model.norm`, stored; out_proj as ``F.linear``.
 
 Backward runs through the same graph in float32.
 """
@@ -24,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ssdiff.budget.model import linear, norm
 from ssdiff.budget.rounding import Rounding, over_rows
 from ssdiff.model.case import Case
 
@@ -80,12 +86,15 @@ def _prefill(t, r, lo, hi, states, qb, kb, case: Case, rounding: Rounding):
     return torch.cat(ys, dim=0), (theta, S, k_rot[-1], t["v"][r, hi - 1])
 
 
-def _steps(t, r, lo, hi, states, qb, kb, rounding: Rounding):
-    """Tokens [lo, hi) of row ``r`` one step each, as the step function computes them."""
+def _steps(t, r, lo, hi, states, qb, kb, rounding: Rounding, store_k: bool = False):
+    """Tokens [lo, hi) of row ``r`` one step each, as the step function computes them; ``store_k``: the K state
+    held between steps in the case dtype (`Rounding.store`), else in float32."""
     dot, keep = rounding.dot, rounding.keep
     h = t["v"].shape[2]
     rep = h // t["q"].shape[2]
     theta, S, k_prev, v_prev = states
+    hold = rounding.store if store_k else (lambda k: k)
+    k_prev = hold(k_prev)
     ys = []
     for i in range(lo, hi):
         dt = t["dt"][r, i]
@@ -99,13 +108,14 @@ def _steps(t, r, lo, hi, states, qb, kb, rounding: Rounding):
         S = keep(S * alpha[:, None, None] + (beta[:, None] * v_prev)[:, :, None] * k_prev[:, None, :]
                  + (gamma[:, None] * v)[:, :, None] * k[:, None, :])
         ys.append(keep(torch.einsum("hpn,hn->hp", dot(S), dot(q))))
-        k_prev, v_prev = k, v
+        k_prev, v_prev = hold(k), v
     return torch.stack(ys), (theta, S, k_prev, v_prev)
 
 
-def scan(t: dict, case: Case, rounding: Rounding, folds: int = 0):
+def scan(t: dict, case: Case, rounding: Rounding, folds: int = 0, store_k: bool = False):
     """The model on float32 tensors ``t`` (the case's inputs, rows folded as ``folds`` says: `evaluate_folded`):
-    y (rows, L, h, p) stored in the case dtype, and the four final states (sequences of every row, in order)."""
+    y (rows, L, h, p) stored in the case dtype, and the four final states (sequences of every row, in order).
+    ``store_k``: as `_steps`."""
     v = t["v"]
     R, L, h, p = v.shape
     n, a = t["q"].shape[3], t["angles"].shape[3]
@@ -134,7 +144,7 @@ def scan(t: dict, case: Case, rounding: Rounding, folds: int = 0):
                 y, states = _prefill(t, r, lo, mid, states, one(qb, r), one(kb, r), case, rnd)
                 pieces.append(y)
             if hi > mid:
-                y, states = _steps(t, r, mid, hi, states, one(qb, r), one(kb, r), rnd)
+                y, states = _steps(t, r, mid, hi, states, one(qb, r), one(kb, r), rnd, store_k)
                 pieces.append(y)
             finals.append(states)
         y = torch.cat(pieces, dim=0)
@@ -146,3 +156,38 @@ def scan(t: dict, case: Case, rounding: Rounding, folds: int = 0):
     y = rounding.store(torch.stack(ys))
     names = ("final_angle", "final_states", "final_k", "final_v")
     return y, {name: rounding.keep(torch.stack(parts)) for name, parts in zip(names, zip(*finals))}
+
+
+A_FLOOR = 1e-4          # Mamba3's A_floor (harness/truth/mamba3_layer.py)
+
+
+def _bc_norm(x, weight, eps, rounding: Rounding):
+    """A B/C norm (over d_state) as mamba_ssm's norm kernel computes it: float32, stored in the case dtype."""
+    normalized = rounding.keep(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return rounding.store(normalized * weight)
+
+
+def layer(t: dict, case: Case, rounding: Rounding, folds: int = 0):
+    """The Mamba3 module on float32 tensors ``t`` (a mamba3_layer case's inputs, folded as for `scan`): y (rows, L,
+    d_model), before it is stored."""
+    h, p, g, n, a = case.nheads, case.headdim, case.ngroups, case.dstate, case.rope_angles
+    u = t["u"]
+    R, L = u.shape[:2]
+    keep, store = rounding.keep, rounding.store
+    zx = store(linear(rounding.linear_operand(u), rounding.linear_operand(t["in_proj_weight"]), None, folds))
+    z, x, B, C, dd_dt, dd_A, trap, angles = torch.split(zx, [h * p, h * p, g * n, g * n, h, h, h, a], dim=-1)
+    dt = keep(F.softplus(dd_dt + over_rows(t["dt_bias"], folds, R, lead=1)))
+    A = keep(torch.clamp(-F.softplus(dd_A), max=-A_FLOOR))
+    lead = lambda w: over_rows(w, folds, R, lead=2)                      # noqa: E731  (b, L, g, n) operands
+    scan_t = dict(q=_bc_norm(C.unflatten(-1, (g, n)), lead(t["q_norm_weight"]), case.rmsnorm_eps, rounding),
+                  k=_bc_norm(B.unflatten(-1, (g, n)), lead(t["k_norm_weight"]), case.rmsnorm_eps, rounding),
+                  v=x.unflatten(-1, (h, p)), dt=dt, adt=keep(A * dt), trap=trap, q_bias=t["q_bias"],
+                  k_bias=t["k_bias"], angles=angles[:, :, None, :].expand(-1, -1, h, -1), D=t["D"])
+    zh = z.unflatten(-1, (h, p))
+    if not case.rmsnorm:
+        scan_t["z"] = zh
+    y, _ = scan(scan_t, case.mamba3_scan, rounding, folds, store_k=bool(case.layer_steps))
+    y = y.flatten(-2)
+    if case.rmsnorm:
+        y = store(norm(y, z, over_rows(t["rmsnorm_weight"], folds, R, lead=1), h, case.rmsnorm_eps, True, rounding))
+    return linear(rounding.linear_operand(y), rounding.linear_operand(t["outproj_weight"]), None, folds)

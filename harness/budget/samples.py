@@ -32,7 +32,8 @@ SAMPLES = 3
 # Inputs without a batch axis: a folded evaluation stacks them on a leading axis of folds (the others are
 # concatenated along the batch rows).
 PARAMETERS = frozenset({"A", "A_log", "D", "dt_bias", "conv1d_weight", "conv1d_bias", "rmsnorm_weight", "outproj_weight",
-                        "outproj_bias", "in_proj_weight", "in_proj_bias", "q_bias", "k_bias"})
+                        "outproj_bias", "in_proj_weight", "in_proj_bias", "q_bias", "k_bias", "q_norm_weight",
+                        "k_norm_weight"})
 
 
 # The model in the token order (a token-recurrent side's budget, harness/examine.py) keeps every token's state,
@@ -90,6 +91,8 @@ def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[s
     leaves = folded.leaves(COMPUTE, requires_grad=case.backward)
 
     def forward() -> Evaluation:
+        if case.entry == "mamba3_layer":
+            return Evaluation({"y": rounding.store(mamba3.layer(leaves, case, rounding, n))})
         if case.entry == "mamba3":
             y, finals = mamba3.scan(leaves, case, rounding, n)
             return Evaluation({"y": y, **(finals if case.return_final_states else {})})

@@ -13,6 +13,10 @@ d_model), in_proj (zxbcdt width, d_model) and its bias, the conv1d (and its bias
 the norm's weight, out_proj (d_model, d_inner) and its bias. dt reaches the scan as in_proj's dt rows applied to
 u, plus dt_bias: the rows are scaled so the pre-softplus dt sits where the regime wants it, as in the scan.
 
+The mamba3_layer entry draws the Mamba3 module's weights likewise (harness/truth/README.md, "The Mamba3 module"): u,
+in_proj (its rows z, x, B, C, dd_dt, dd_A, trap, angles), dt_bias, the B/C norms' weights, q_bias and k_bias, D,
+the output norm's weight and out_proj.
+
 The decode entry draws the chunk scan's values over the whole sequence; its step kernel starts from ``state``,
 the state after the prefill (the float64 chunked oracle's final state over the first ``seqlen - decode_steps``
 tokens, rounded once to ``case.state_dtype``: the prefill's rounding is no step kernel's error), and maps rows
@@ -37,6 +41,9 @@ SPLIT_CONV1D_DIFFERENTIABLE = ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bia
 LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "in_proj_bias", "conv1d_weight", "conv1d_bias", "dt_bias", "A_log",
                         "D", "rmsnorm_weight", "outproj_weight", "outproj_bias")
 
+# The Mamba3 module's input and every one of its parameters (harness/truth/mamba3_layer.py).
+MAMBA3_LAYER_DIFFERENTIABLE = ("u", "in_proj_weight", "dt_bias", "k_norm_weight", "q_norm_weight", "k_bias", "q_bias",
+                               "D", "rmsnorm_weight", "outproj_weight")
 # The Mamba-3 scan's inputs (harness/truth/README.md, "Mamba-3"), each a leaf: the four input states too.
 MAMBA3_DIFFERENTIABLE = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "init_angle",
                          "initial_states", "init_k", "init_v")
@@ -46,6 +53,8 @@ def differentiable_names(case: Case) -> tuple:
     """The inputs of ``case``'s entry point that have gradients."""
     if case.entry == "mamba3":
         return MAMBA3_DIFFERENTIABLE
+    if case.entry == "mamba3_layer":
+        return MAMBA3_LAYER_DIFFERENTIABLE
     if case.entry == "layer":
         return LAYER_DIFFERENTIABLE
     return CHUNK_SCAN_DIFFERENTIABLE if case.entry == "chunk_scan" else SPLIT_CONV1D_DIFFERENTIABLE
@@ -165,7 +174,7 @@ def materialize(case: Case, device: str | torch.device) -> Inputs:
         wide_order = tuple(name for name in ("z", "x", "B", "C", "dt") if name in vals)
 
     seq_idx = seq_idx_rows(case)
-    cu = cu_seqlens(case) if case.varlen_states or case.entry == "mamba3" else None
+    cu = cu_seqlens(case) if case.varlen_states or case.entry in ("mamba3", "mamba3_layer") else None
     return Inputs(
         case=case,
         device=device,

@@ -212,6 +212,25 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
             put("init_k", normal(nseq, h, n) * r.scale, torch.float32)
             put("init_v", values(nseq, h, p), act)
         y_shape = (b, L, h, p)
+    elif case.entry == "mamba3_layer":
+        # the Mamba3 module (harness/truth/mamba3_layer.py): in_proj rows [z, x, B, C, dd_dt, dd_A, trap, angles] at
+        # unit-variance outputs, the dd_dt rows at std 0.7 (as dt above; dt_bias carries the regime's centre)
+        a = (int(case.dstate * case.rope_fraction) // 2 * 2) // 2      # Case.rope_angles
+        d_model, dim = case.d_model, case.dim
+        put("u", values(b, L, d_model), act)
+        std = 1.0 / math.sqrt(d_model)
+        put("in_proj_weight", cat([normal(2 * dim + 2 * g * n, d_model, std=std), normal(h, d_model, std=0.7 * std),
+                                   normal(2 * h + a, d_model, std=std)], dim=0), act)
+        put("dt_bias", dt_bias + center / 2, torch.float32)
+        put("k_norm_weight", 1.0 + normal(n, std=0.2), act)
+        put("q_norm_weight", 1.0 + normal(n, std=0.2), act)
+        put("k_bias", 1.0 + normal(h, n, std=0.5), torch.float32)
+        put("q_bias", 1.0 + normal(h, n, std=0.5), torch.float32)
+        put("D", normal(h), torch.float32)
+        if case.rmsnorm:
+            put("rmsnorm_weight", 1.0 + normal(dim, std=0.2), act)
+        put("outproj_weight", normal(d_model, dim, std=1.0 / math.sqrt(dim)), act)
+        y_shape = (b, L, d_model)
     else:
         dim, conv_ch = case.dim, case.conv_channels
         zx0 = values(b, L, 2 * case.d_nonssm)
@@ -231,7 +250,7 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
             if case.outproj_bias:
                 put("outproj_bias", normal(case.out_dim, std=0.1), act)
         y_shape = (b, L, case.out_dim if case.out_dim is not None else width)
-    if case.initial_states and case.entry != "mamba3":
+    if case.initial_states and case.entry not in ("mamba3", "mamba3_layer"):
         put("initial_states", normal(b, h, p, n) * r.scale, torch.float32)
 
     grad_outputs = {}

@@ -21,7 +21,7 @@ from ssdiff.model.stages import BY_NAME
 
 # Channel parts indexed by head (headdim channels each; dt one per head) and by group (dstate channels each);
 # the rest (swiglu, out) belong to no head.
-HEAD_PARTS = ("z", "x", "dt", "ssm")
+HEAD_PARTS = ("z", "x", "dt", "ssm", "A", "trap")
 GROUP_PARTS = ("B", "C")
 
 # Axes whose coordinate is the index itself.
@@ -46,7 +46,7 @@ def channel_parts(case: Case, parts) -> tuple:
                 out.append((part, c // case.headdim))
             elif part in GROUP_PARTS:
                 out.append((part, c // case.dstate))
-            elif part == "dt":
+            elif part in ("dt", "A", "trap"):
                 out.append((part, c))
             else:
                 out.append((part, 0))
@@ -67,6 +67,24 @@ MAMBA3_AXES = {
 }
 
 
+def mamba3_layer_axes(name: str, case: Case) -> TensorAxes:
+    """The mamba3_layer entry's output and inputs: u and y over d_model, in_proj's rows by part (harness/truth/
+    mamba3_layer.py: z, x, B, C, dd_dt, dd_A, trap, angles), the scan's per-head parameters."""
+    gn, h, dim = case.ngroups * case.dstate, case.nheads, case.dim
+    rows = (("z", dim), ("x", dim), ("B", gn), ("C", gn), ("dt", h), ("A", h), ("trap", h), ("angle", case.rope_angles))
+    plain = {"y": ("batch", "token", "model"), "u": ("batch", "token", "model"), "dt_bias": ("head",), "D": ("head",),
+             "k_norm_weight": ("n",), "q_norm_weight": ("n",), "k_bias": ("head", "n"), "q_bias": ("head", "n")}
+    if name in plain:
+        return TensorAxes(plain[name])
+    if name == "in_proj_weight":
+        return TensorAxes(("channel", "model"), channel_parts(case, rows))
+    if name == "rmsnorm_weight":
+        return TensorAxes(("channel",), channel_parts(case, (("ssm", dim),)))
+    if name == "outproj_weight":
+        return TensorAxes(("model", "channel"), channel_parts(case, (("ssm", dim),)))
+    raise KeyError(f"no axes for mamba3_layer {name!r}")
+
+
 def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
     """The axes of output / grad / stage ``name`` for ``case`` (the oracle's layouts)."""
     gn = case.ngroups * case.dstate
@@ -76,6 +94,8 @@ def axes_of(kind: str, name: str, case: Case) -> TensorAxes:
         + (("dt", case.nheads),)
     if case.entry == "mamba3" and name in MAMBA3_AXES:
         return TensorAxes(MAMBA3_AXES[name])
+    if case.entry == "mamba3_layer":
+        return mamba3_layer_axes(name, case)
     if case.entry == "layer":
         # the layer's own tensors: its input and output (d_model channels), in_proj (zxbcdt channels x d_model)
         if name in ("y", "u") and kind in ("output", "grad", "stage"):

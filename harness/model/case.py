@@ -31,6 +31,12 @@ Two entry points are described:
   (angle, SSM, K, V). Its own fields: ``rope_fraction`` (0.5 or 1: the rotated share of headdim_qk) and
   ``mamba3_steps`` k: the last k tokens go one at a time through the step function after a prefill of the others
   that returns its four states (forward only, no segments): the same output, reached through the step.
+- ``mamba3_layer``: mamba_ssm's Mamba3 module (SISO) ``out_proj(norm?(scan(projections(in_proj(u)))))`` with one
+  set of weights (harness/truth/mamba3_layer.py). Its sizes are the mamba3 entry's (nheads * headdim is d_inner,
+  ngroups the B/C heads, dstate d_state), plus the layer's ``d_model`` and ``layer_steps`` (the last k tokens
+  through step() from the prefill's four states); ``rmsnorm`` is is_outproj_norm (a gated RMSNorm per head, its
+  eps and the B/C norms' ``rmsnorm_eps``). D per head, dt_bias and softplus always; no final or initial states.
+  Its scan is a mamba3 case (`Case.mamba3_scan`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode", "layer", "mamba3")
+ENTRY_POINTS = ("chunk_scan", "split_conv1d", "decode", "layer", "mamba3", "mamba3_layer")
 DTYPES = ("float32", "float16", "bfloat16")
 D_MODES = ("none", "head", "channel")
 DECAYS = ("none", "mild", "typical", "strong")
@@ -190,6 +196,16 @@ class Case:
         return (int(self.dstate * self.rope_fraction) // 2 * 2) // 2
 
     @property
+    def mamba3_scan(self) -> "Case":
+        """The mamba3 case of a mamba3_layer case's scan: its sizes, chunk, rope, segments, dtype, pass and seed,
+        D per head, z unless the output norm takes it, the layer's steps as ``mamba3_steps``."""
+        return Case(entry="mamba3", batch=self.batch, seqlen=self.seqlen, nheads=self.nheads, headdim=self.headdim,
+                    ngroups=self.ngroups, dstate=self.dstate, chunk_size=self.chunk_size, dtype=self.dtype, D="head",
+                    has_z=not self.rmsnorm, has_dt_bias=False, dt_softplus=False, segments=self.segments,
+                    return_final_states=False, rope_fraction=self.rope_fraction, mamba3_steps=self.layer_steps,
+                    regime=self.regime, pass_=self.pass_, seed=self.seed)
+
+    @property
     def dt_limit_or_default(self) -> tuple[float, float]:
         return self.dt_limit if self.dt_limit is not None else (0.0, math.inf)
 
@@ -205,9 +221,9 @@ class Case:
         for f in fields(self):
             if f.name in DECODE_FIELDS and self.entry != "decode":
                 continue                # other entries' JSON stays as it was before the decode entry
-            if f.name in LAYER_FIELDS and self.entry != "layer":
+            if f.name in LAYER_FIELDS and self.entry not in ("layer", "mamba3_layer"):
                 continue
-            if f.name in MAMBA3_FIELDS and self.entry != "mamba3":
+            if f.name in MAMBA3_FIELDS and self.entry not in ("mamba3", "mamba3_layer"):
                 continue
             value = getattr(self, f.name)
             if f.name == "regime":
@@ -300,7 +316,10 @@ class Case:
                 feats.append("rmsnorm" + ("(before gate)" if self.norm_before_gate else "(after gate)"))
             if self.out_dim is not None:
                 feats.append(f"out_proj={self.out_dim}" + ("+bias" if self.outproj_bias else ""))
-        if self.entry == "mamba3":
+        if self.entry == "mamba3_layer":
+            feats.append(f"d_model={self.d_model}" + (" outproj_norm" if self.rmsnorm else "")
+                         + (f" steps={self.layer_steps}" if self.layer_steps else ""))
+        if self.entry in ("mamba3", "mamba3_layer"):
             feats.append(f"rope={self.rope_fraction:g}")
             if self.mamba3_steps:
                 feats.append(f"steps={self.mamba3_steps}")
@@ -408,7 +427,7 @@ def _violations(c: Case):
         for name, default in (("decode_steps", 1), ("state_dtype", "float32"), ("state_batch_indices", False)):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'decode'"
-    if c.entry != "layer":
+    if c.entry not in ("layer", "mamba3_layer"):
         for name, default in (("d_model", 8), ("bias", False), ("conv_bias", True), ("layer_steps", 0)):
             if getattr(c, name) != default:
                 yield f"{name}={getattr(c, name)!r} is only meaningful for entry 'layer'"
@@ -463,7 +482,10 @@ def _violations(c: Case):
 
 
 def _mamba3_violations(c: Case):
-    """The mamba3 entry's rules (and its fields' defaults elsewhere)."""
+    """The mamba3 and mamba3_layer entries' rules (and their fields' defaults elsewhere)."""
+    if c.entry == "mamba3_layer":
+        yield from _mamba3_layer_violations(c)
+        return
     if c.entry != "mamba3":
         for name, default in (("rope_fraction", 0.5), ("mamba3_steps", 0)):
             if getattr(c, name) != default:
@@ -495,6 +517,39 @@ def _mamba3_violations(c: Case):
             yield "mamba3_steps: decoding is forward only (the step function has no backward)"
 
 
+def _mamba3_layer_violations(c: Case):
+    """A Mamba3 module: its scan a valid mamba3 case, and what the module fixes."""
+    if c.mamba3_steps:
+        yield f"mamba3_steps={c.mamba3_steps}: a mamba3_layer decodes through layer_steps"
+    if not (c.has_dt_bias and c.dt_softplus) or c.dt_limit is not None:
+        yield "has_dt_bias / dt_softplus / dt_limit: a Mamba3 module always adds dt_bias and applies softplus, no limit"
+    if c.D != "head":
+        yield "D: a Mamba3 module's D is per head; must be 'head'"
+    if c.has_z or c.initial_states or c.return_final_states:
+        yield ("has_z / initial_states / return_final_states: a Mamba3 module takes z from in_proj, starts from zero "
+               "states and returns only its output; all must be false")
+    if c.bias or c.d_nonssm or c.out_dim is not None or c.outproj_bias:
+        yield "bias / d_nonssm / out_dim / outproj_bias: a Mamba3 module has no biases on its projections, no branch"
+    if not c.norm_before_gate:
+        yield "norm_before_gate: a Mamba3 module's output norm gates after normalizing; must be true"
+    if c.padding is not None or c.seq_idx_start or c.varlen_states:
+        yield "padding / seq_idx_start / varlen_states: a mamba3_layer's sequences are cu_seqlens (segments only)"
+    if c.d_model < 1 or c.dim % c.d_model:
+        yield f"d_model={c.d_model} must divide d_inner = nheads * headdim = {c.dim} (expand is an integer)"
+    if c.layer_steps and not 0 < c.layer_steps < c.seqlen:
+        yield (f"layer_steps={c.layer_steps} must satisfy 0 <= layer_steps < seqlen={c.seqlen} (the prefill "
+               f"that fills the states has at least one token)")
+    if c.layer_steps and (c.segments is not None or c.pass_ != "forward"):
+        yield "layer_steps: decoding is forward only, one sequence per batch row (no segments)"
+    if c.regime.layout != "contiguous" or c.final_state_grad:
+        yield "regime.layout / final_state_grad: a mamba3_layer is contiguous and returns no final states"
+        return
+    try:
+        c.mamba3_scan
+    except CaseError as err:
+        yield f"the scan of this Mamba3 module: {err}"
+
+
 def _segment_violations(c: Case):
     if c.segments is None:
         if c.padding is not None:
@@ -518,7 +573,7 @@ def _segment_violations(c: Case):
         if not isinstance(lengths, tuple) or not lengths:
             yield f"segments[{row}]: expected a non-empty list of lengths, got {lengths!r}"
             return
-        least = 0 if c.entry == "mamba3" else 1         # cu_seqlens may hold an empty sequence
+        least = 0 if c.entry in ("mamba3", "mamba3_layer") else 1      # cu_seqlens may hold an empty sequence
         for length in lengths:
             if not isinstance(length, int) or isinstance(length, bool) or length < least:
                 yield (f"segments[{row}]: every length must be a {'non-negative' if least == 0 else 'positive'} "

@@ -128,7 +128,7 @@ FEATURES = (
     Feature("rope_full", "rope_fraction 1 (all of headdim_qk rotated)", "rope_fraction 1/2",
             lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5)),
     Feature("empty_sequence", "an empty sequence in cu_seqlens", "no empty sequence",
-            lambda c: c.entry == "mamba3" and c.segments is not None and 0 in c.segments[0],
+            lambda c: c.entry in ("mamba3", "mamba3_layer") and c.segments is not None and 0 in c.segments[0],
             lambda c: c.replace(segments=(tuple(n for n in c.segments[0] if n) or (c.seqlen,),))),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),

@@ -187,6 +187,8 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
     entry = entry or draw(st.sampled_from(("chunk_scan", "split_conv1d")))    # decode only when asked for
     if entry == "mamba3":
         return draw(mamba3_cases(dtypes, bounds, backward))
+    if entry == "mamba3_layer":
+        return draw(mamba3_layer_cases(dtypes, bounds, backward))
     pin = key.pinned if key is not None else None
     shape = draw(shapes(bounds, boundary, key))
     fields = dict(entry=entry, dtype=draw(st.sampled_from(tuple(dtypes))), **shape)
@@ -246,5 +248,24 @@ def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bo
         fields["final_state_grad"] = fields["return_final_states"] and draw(st.booleans())
     elif "segments" not in fields and draw(st.booleans()):
         fields["mamba3_steps"] = draw(st.integers(1, min(4, shape["seqlen"])))
+    fields["seed"] = draw(st.integers(0, 2**16))
+    return Case(**fields)
+
+
+@st.composite
+def mamba3_layer_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bounds(),
+                       backward: Optional[bool] = None) -> Case:
+    """A valid Case of the mamba3_layer entry: the scan of `mamba3_cases` (no initial or final states, D per head,
+    z from in_proj) inside a Mamba3 module: d_model a divisor of d_inner, the output norm or not, and, forward
+    without segments, the last tokens through step() (``layer_steps``)."""
+    scan = draw(mamba3_cases(dtypes, bounds, backward))
+    d_inner = scan.nheads * scan.headdim
+    fields = dict(entry="mamba3_layer", batch=scan.batch, seqlen=scan.seqlen, nheads=scan.nheads, headdim=scan.headdim,
+                  ngroups=scan.ngroups, dstate=scan.dstate, chunk_size=scan.chunk_size, dtype=scan.dtype,
+                  rope_fraction=scan.rope_fraction, segments=scan.segments, regime=scan.regime, pass_=scan.pass_,
+                  return_final_states=False, rmsnorm=draw(st.booleans()), rmsnorm_eps=1e-5,
+                  d_model=draw(st.sampled_from([d for d in range(1, d_inner + 1) if d_inner % d == 0])))
+    if not scan.backward and scan.segments is None and scan.seqlen > 1 and draw(st.booleans()):
+        fields["layer_steps"] = draw(st.integers(1, min(4, scan.seqlen - 1)))
     fields["seed"] = draw(st.integers(0, 2**16))
     return Case(**fields)

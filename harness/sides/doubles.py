@@ -34,6 +34,9 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
                     next one's, dt_s+1 (1 - lambda_s+1) (a weight off by one token);
     "angle_restart" the angle cumsum restarts at each chunk (the carried angle dropped past the first);
     "step_drops_k"  each step forgets the K state it carries (the previous token's rotated k read as zero).
+- `Mamba3Layer`: the Mamba3 module (SISO, mamba3_layer entry) in float32 around `Mamba3Kernel`'s scan. With ``bug=``:
+    "bc_norm_over_groups"  the B and C norms over all ngroups * d_state channels at once instead of per B/C head;
+    "step_drops_k"  the steps of ``layer_steps`` forget the K state (the scan double's bug).
 - `DotSensitive`: the toy kernel with y off by 10% unless TRITON_F32_DEFAULT=ieee in its process (what TF32's loss
   looks like to the TF32 replay).
 - `Misbehaving`: calls os.abort(), sleeps forever, raises, or runs out of device memory — optionally only when
@@ -438,6 +441,47 @@ class Mamba3Kernel(_Float32Implementation):
         return torch.remainder(angle[-1], 2 * math.pi), S, k[-1], v[-1]
 
 
+MAMBA3_LAYER_BUGS = {"bc_norm_over_groups": "the B/C norms over all ngroups * d_state channels at once",
+                     "step_drops_k": "each step() forgets the K state it carries"}
+
+
+class Mamba3Layer(_Float32Implementation):
+    """The Mamba3 module (SISO) in float32: in_proj, dt and A, the B/C norms, `Mamba3Kernel`'s scan of the module's
+    scan case (its steps for ``layer_steps``), the output norm, out_proj."""
+
+    def __init__(self, bug=None):
+        if bug is not None and bug not in MAMBA3_LAYER_BUGS:
+            raise ValueError(f"bug must be None or one of {sorted(MAMBA3_LAYER_BUGS)}, got {bug!r}")
+        self.bug = bug
+        self.scan = Mamba3Kernel("step_drops_k" if bug == "step_drops_k" else None)
+        self.name = f"double.mamba3_layer{'.' + bug if bug else ''}"
+        self.description = f"float32 Mamba3 module{' with a planted bug: ' + MAMBA3_LAYER_BUGS[bug] if bug else ''}"
+        self.capabilities = Capabilities(entries=frozenset({"mamba3_layer"}))
+
+    def compute(self, case, t, inputs):
+        h, p, g, n, a, eps = case.nheads, case.headdim, case.ngroups, case.dstate, case.rope_angles, case.rmsnorm_eps
+        zx = F.linear(t["u"], t["in_proj_weight"])
+        z, x, B, C, dd_dt, dd_A, trap, angles = zx.split([h * p, h * p, g * n, g * n, h, h, h, a], dim=-1)
+        width = g * n if self.bug == "bc_norm_over_groups" else n
+
+        def bc_norm(v, weight):
+            grouped = v.unflatten(-1, (-1, width))
+            normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+            return normed.flatten(-2).unflatten(-1, (g, n)) * weight
+
+        dt = F.softplus(dd_dt + t["dt_bias"])
+        A = torch.clamp(-F.softplus(dd_A), max=-1e-4)
+        scan_t = dict(q=bc_norm(C, t["q_norm_weight"]), k=bc_norm(B, t["k_norm_weight"]), v=x.unflatten(-1, (h, p)),
+                      dt=dt, adt=A * dt, trap=trap, q_bias=t["q_bias"], k_bias=t["k_bias"],
+                      angles=angles[:, :, None, :].expand(-1, -1, h, -1), D=t["D"])
+        if not case.rmsnorm:
+            scan_t["z"] = z.unflatten(-1, (h, p))
+        y = self.scan.compute(case.mamba3_scan, scan_t, inputs)[0]["y"].flatten(-2)
+        if case.rmsnorm:
+            y = norm_vectorized(y, z, t["rmsnorm_weight"], h, eps, True)
+        return {"y": F.linear(y, t["outproj_weight"])}, {}
+
+
 MISBEHAVIOURS = ("abort", "hang", "raise", "oom")
 
 
@@ -510,6 +554,9 @@ mamba3_kernel = Mamba3Kernel()
 mamba3_trap_shift_bug = Mamba3Kernel("trap_shift")
 mamba3_angle_restart_bug = Mamba3Kernel("angle_restart")
 mamba3_step_drops_k_bug = Mamba3Kernel("step_drops_k")
+mamba3_layer = Mamba3Layer()
+mamba3_layer_bc_norm_bug = Mamba3Layer("bc_norm_over_groups")
+mamba3_layer_step_drops_k_bug = Mamba3Layer("step_drops_k")
 aborts = Misbehaving("abort")
 hangs = Misbehaving("hang")
 raises = Misbehaving("raise")

@@ -17,7 +17,7 @@ from ssdiff.sides.base import Capabilities, Implementation
 BUILTIN_MODULES = ("ssdiff.sides.adapters.oracles", "ssdiff.sides.adapters.mamba_ssm", "ssdiff.sides.adapters.fla",
                    "ssdiff.sides.adapters.ssdiff_triton", "ssdiff.sides.adapters.vllm", "ssdiff.sides.adapters.serving",
                    "ssdiff.sides.adapters.mamba_ssm_layer", "ssdiff.sides.adapters.fla_layer", "ssdiff.sides.adapters.transformers_layer",
-                   "ssdiff.sides.adapters.mamba3")
+                   "ssdiff.sides.adapters.mamba3", "ssdiff.sides.adapters.mamba3_module")
 ENTRY_POINT_GROUP = "ssdiff.implementations"
 
 _registry: dict = {}

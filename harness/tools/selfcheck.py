@@ -43,6 +43,9 @@ BUILTIN_CASES = (
          regime=Regime(decay="strong"), pass_="backward"),
     Case(entry="mamba3", batch=2, seqlen=13, nheads=2, headdim=4, dstate=4, chunk_size=8, has_dt_bias=False,
          dt_softplus=False, initial_states=True, mamba3_steps=4, regime=Regime(decay="mild", values="integer")),
+    # the Mamba3 module around it: B/C heads shared by two heads each, the output norm, cu_seqlens, backward
+    Case(entry="mamba3_layer", seqlen=17, nheads=4, ngroups=2, headdim=3, dstate=6, chunk_size=4, d_model=6,
+         rmsnorm=True, rmsnorm_eps=1e-5, return_final_states=False, segments=((9, 8),), pass_="backward"),
 )
 
 

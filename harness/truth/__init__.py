@@ -6,7 +6,8 @@
 
 They share no code with any kernel they judge, nor with each other's scan. `evaluate` runs one on a Case.
 
-The mamba3 entry: harness/truth/mamba3.py, the Mamba-3 SISO scan in the same three orders.
+The mamba3 entry: harness/truth/mamba3.py, the Mamba-3 SISO scan in the same three orders; the mamba3_layer entry:
+harness/truth/mamba3_layer.py, the Mamba3 module around it.
 
 The layer entry: harness/truth/layer.py puts in_proj (and A = -exp(A_log)) in front of the mixer.
 
@@ -23,7 +24,7 @@ import torch
 
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
-from ssdiff.truth import chunked, layer, mamba3, mixer, quadratic, recurrent
+from ssdiff.truth import chunked, layer, mamba3, mamba3_layer, mixer, quadratic, recurrent
 from ssdiff.model.stages import STAGE_ORDER
 
 SCANS = {"ref.recurrent": recurrent.scan, "ref.quadratic": quadratic.scan, "ref.chunked": chunked.scan}
@@ -38,6 +39,8 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
     scan = SCANS[name]
     if case.entry == "mamba3":
         return mamba3.call(name, case, tensors)
+    if case.entry == "mamba3_layer":
+        return mamba3_layer.call(name, case, tensors)
     if case.entry == "decode":
         return decode(scan, case, tensors)
     if case.entry == "layer":

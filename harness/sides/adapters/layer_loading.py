@@ -32,7 +32,7 @@ from ssdiff.inputs import Inputs
 class Construction:
     """How a layer module is built and called, as data (repro.py writes the same call out): ``module``.``factory``
     (**kwargs), or with ``config`` ``factory(config_class(**config), **kwargs)``; then ``method`` in training mode
-    when ``train``, passed seq_idx when ``seq_idx``."""
+    when ``train``, passed seq_idx when ``seq_idx``, cu_seqlens when ``cu_seqlens``."""
 
     module: str
     factory: str
@@ -42,6 +42,7 @@ class Construction:
     config_class: Optional[str] = None
     config: dict = field(default_factory=dict)
     seq_idx: bool = False
+    cu_seqlens: bool = False
 
     def build(self) -> nn.Module:
         module = importlib.import_module(self.module)
@@ -67,7 +68,7 @@ def layer_config_key(case: Case) -> tuple:
     """What a layer module is built from (its weights aside): equal keys build interchangeable modules."""
     return (case.d_model, case.nheads, case.headdim, case.ngroups, case.dstate, case.conv_width, case.chunk_size,
             case.d_nonssm, case.D, case.rmsnorm, case.norm_before_gate, case.rmsnorm_eps, case.dt_limit, case.bias,
-            case.conv_bias)
+            case.conv_bias, case.entry, case.rope_fraction)
 
 
 # The layer entry's own cases: a layer runs in_proj, the conv, five SSD kernels, the norm and out_proj, so small
@@ -149,6 +150,8 @@ class LayerImplementation(Implementation):
                     lambda mod, args: recorded.__setitem__("normed", args[0].detach())))
         try:
             kwargs = dict(seq_idx=inputs.seq_idx) if how.seq_idx else {}
+            if how.cu_seqlens and inputs.cu_seqlens is not None:
+                kwargs["cu_seqlens"] = inputs.cu_seqlens
             y = torch.func.functional_call(wrapper, params, (tensors["u"],), kwargs)
             y = y[0] if isinstance(y, tuple) else y
         finally:
