@@ -41,6 +41,18 @@ def mamba3_module():
     return importlib.import_module(MODULE)
 
 
+def module_problem() -> Optional[str]:
+    """Why mamba_ssm's Mamba3 module cannot be loaded here, in one line, or None."""
+    problem = upstream.mamba_ssm_problem()
+    if problem:
+        return problem
+    try:
+        mamba3_module()
+    except Exception as err:
+        return f"{upstream.mamba_ssm().label}: {MODULE} does not import here ({upstream.one_line(err)})"
+    return None
+
+
 def step_problem() -> Optional[str]:
     """Why Mamba3.step() cannot run here (its CuTe step function did not import), or None."""
     try:
@@ -75,13 +87,9 @@ class Mamba3Module(LayerImplementation):
     testing = Testing(domains=(MODULE_DOMAIN,), pinned=())
 
     def unavailable(self) -> Optional[str]:
-        problem = upstream.mamba_ssm_problem()
+        problem = module_problem()
         if problem:
             return problem
-        try:
-            mamba3_module()
-        except Exception as err:
-            return f"{upstream.mamba_ssm().label}: {MODULE} does not import here ({upstream.one_line(err)})"
         if runtime.interpreted():
             return INTERPRETER.format(" and TMA tensor descriptors")
         return runtime.no_triton_reason()
@@ -135,11 +143,10 @@ class Mamba3ModuleMimo(Implementation):
                                 devices=frozenset({"cuda"}))
 
     def unavailable(self) -> Optional[str]:
-        problem = upstream.mamba_ssm_problem()
+        problem = module_problem()
         if problem:
             return problem
         try:
-            mamba3_module()
             importlib.import_module(MIMO_KERNELS)
             kernels = ""
         except Exception as err:
