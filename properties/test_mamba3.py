@@ -147,6 +147,17 @@ def test_a_step_that_drops_the_k_state_it_carries_is_found_in_the_decoded_tokens
     assert tokens and all(t["first"] >= case.seqlen - case.mamba3_steps for t in tokens), tokens
 
 
+def test_a_prefill_angle_state_returned_in_the_case_dtype_is_found(tmp_path, device):
+    """The class of mamba_ssm's mamba3_siso_combined returning its final angle in bf16 (harness/BENCHMARKS.md): the
+    double rounds the prefill's angle state to the case dtype, so half precision finds it, in the final angle or in
+    what the decoded tokens rotate with it."""
+    spec = "ssdiff.sides.doubles:mamba3_angle_state_bug"
+    finding, report = found_by_campaign(spec, tmp_path, device, "mamba3", SMALL, max_examples=60, pass_="forward")
+    case = finding.outcome.case
+    assert case.dtype != "float32" and (case.return_final_states or case.mamba3_steps), case.describe()
+    assert failing(finding, spec) & {"final_angle", "final_states", "final_k", "y"}, failing(finding, spec)
+
+
 # ---- the Mamba3 module (mamba3_layer) ---------------------------------------------------------------------
 
 M3L = dict(entry="mamba3_layer", return_final_states=False, rmsnorm_eps=1e-5)

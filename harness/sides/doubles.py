@@ -364,7 +364,7 @@ class StepKernel(_Float32Implementation):
         return outputs, {}
 
 
-MAMBA3_BUGS = (None, "trap_shift", "angle_restart", "step_drops_k")
+MAMBA3_BUGS = (None, "trap_shift", "angle_restart", "step_drops_k", "angle_state_in_dtype")
 
 
 class Mamba3Kernel(_Float32Implementation):
@@ -391,6 +391,9 @@ class Mamba3Kernel(_Float32Implementation):
             mid = max(lo, min(hi, prefill))
             for c0 in range(lo, mid, case.chunk_size):
                 states = self._chunk(t, row, c0, min(mid, c0 + case.chunk_size), mid, states, heads, ys, c0 == lo)
+            if self.bug == "angle_state_in_dtype" and mid > lo:      # the prefill's angle returned in the case dtype
+                theta = torch.remainder(states[0], 2 * math.pi)
+                states = (theta.to(torch_dtype(case)).to(theta.dtype),) + states[1:]
             for i in range(mid, hi):
                 if self.bug == "step_drops_k":
                     states = states[:2] + (torch.zeros_like(states[2]), states[3])
@@ -554,6 +557,7 @@ mamba3_kernel = Mamba3Kernel()
 mamba3_trap_shift_bug = Mamba3Kernel("trap_shift")
 mamba3_angle_restart_bug = Mamba3Kernel("angle_restart")
 mamba3_step_drops_k_bug = Mamba3Kernel("step_drops_k")
+mamba3_angle_state_bug = Mamba3Kernel("angle_state_in_dtype")
 mamba3_layer = Mamba3Layer()
 mamba3_layer_bc_norm_bug = Mamba3Layer("bc_norm_over_groups")
 mamba3_layer_step_drops_k_bug = Mamba3Layer("step_drops_k")
