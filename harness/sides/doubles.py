@@ -33,7 +33,10 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "trap_shift"    the trapezoid's second weight taken from the token itself, dt_s (1 - lambda_s), instead of the
                     next one's, dt_s+1 (1 - lambda_s+1) (a weight off by one token);
     "angle_restart" the angle cumsum restarts at each chunk (the carried angle dropped past the first);
-    "step_drops_k"  each step forgets the K state it carries (the previous token's rotated k read as zero).
+    "step_drops_k"  each step forgets the K state it carries (the previous token's rotated k read as zero);
+    "angle_state_in_dtype"  the prefill's angle state rounded to the case dtype, returned and stepped from so (as
+                    mamba_ssm's combined kernel returns it in bf16).
+  Its steps follow the step kernel's order (the state updated, then y = S q~), not the oracle's.
 - `Mamba3Layer`: the Mamba3 module (SISO, mamba3_layer entry) in float32 around `Mamba3Kernel`'s scan. With ``bug=``:
     "bc_norm_over_groups"  the B and C norms over all ngroups * d_state channels at once instead of per B/C head;
     "step_drops_k"  the steps of ``layer_steps`` forget the K state (the scan double's bug).
@@ -367,6 +370,18 @@ class StepKernel(_Float32Implementation):
 MAMBA3_BUGS = (None, "trap_shift", "angle_restart", "step_drops_k", "angle_state_in_dtype")
 
 
+def _turned(x, theta):
+    """x (..., n) with pairs (2j, 2j + 1), j < a, turned by theta (..., a), as the kernels write it: even and odd
+    lanes apart, cos and sin per pair; the other lanes as they are."""
+    a = theta.shape[-1]
+    even, odd = x[..., 0:2 * a:2], x[..., 1:2 * a:2]
+    c, s = torch.cos(theta), torch.sin(theta)
+    out = x.clone()
+    out[..., 0:2 * a:2] = even * c - odd * s
+    out[..., 1:2 * a:2] = even * s + odd * c
+    return out
+
+
 class Mamba3Kernel(_Float32Implementation):
     """The Mamba-3 SISO scan in float32, chunked, and stepped for the last ``mamba3_steps`` tokens."""
 
@@ -397,7 +412,7 @@ class Mamba3Kernel(_Float32Implementation):
             for i in range(mid, hi):
                 if self.bug == "step_drops_k":
                     states = states[:2] + (torch.zeros_like(states[2]), states[3])
-                ys[row, i], states = mamba3.step(t, row, i, states, heads)
+                ys[row, i], states = self._step(t, row, i, states, heads)
                 states = (torch.remainder(states[0], 2 * math.pi),) + states[1:]      # as the step kernel keeps it
             finals.append(states)
         y = ys + (t["D"][:, None] * t["v"] if "D" in t else 0.0)
@@ -409,6 +424,21 @@ class Mamba3Kernel(_Float32Implementation):
             outputs.update(final_angle=torch.remainder(theta, 2 * math.pi), final_states=S, final_k=k,
                            final_v=v.to(torch_dtype(case)))
         return outputs, {}
+
+    @staticmethod
+    def _step(t, row, i, states, heads):
+        """Token ``i`` of ``row`` as the step kernel takes it: the state updated first, then y = S q~ (the token's
+        own term through its rotated k and q): (y before D and z, the four states after it)."""
+        theta, S, k_prev, v_prev = states
+        dt, lam = t["dt"][row, i], torch.sigmoid(t["trap"][row, i])
+        theta = theta + torch.tanh(t["angles"][row, i]) * (math.pi * dt)[:, None]
+        q = _turned(t["q"][row, i][heads] + t["q_bias"], theta)
+        k = _turned(t["k"][row, i][heads] + t["k_bias"], theta)
+        v = t["v"][row, i]
+        alpha = torch.exp(t["adt"][row, i])
+        carried = (alpha * dt * (1 - lam))[:, None, None] * v_prev[:, :, None] * k_prev[:, None, :]
+        S = S * alpha[:, None, None] + carried + (dt * lam)[:, None, None] * v[:, :, None] * k[:, None, :]
+        return (S * q[:, None, :]).sum(-1), (theta, S, k, v)
 
     def _chunk(self, t, row, c0, c1, end, states, heads, ys, first):
         """Tokens [c0, c1) of ``row`` (its sequence's prefill ends at ``end``) into ``ys``; the states after them."""
@@ -425,7 +455,7 @@ class Mamba3Kernel(_Float32Implementation):
             theta = torch.zeros_like(theta)
         angle = theta + torch.cumsum(math.pi * torch.tanh(t["angles"][row, c0:c1]) * dt[..., None], dim=0)
         qp, kp = t["q"][row, c0:c1][:, heads] + t["q_bias"], t["k"][row, c0:c1][:, heads] + t["k_bias"]
-        q, k = mamba3.rotate(qp, angle), mamba3.rotate(kp, angle)                      # (T, h, n)
+        q, k = _turned(qp, angle), _turned(kp, angle)                                  # (T, h, n)
         v = t["v"][row, c0:c1]
         adt = torch.cumsum(t["adt"][row, c0:c1], dim=0)                                # (T, h)
         T = c1 - c0
