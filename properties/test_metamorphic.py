@@ -98,7 +98,8 @@ def scan_case(data, impl, dtypes=None) -> Case:
 
 
 def unsegmented(case: Case) -> Case:
-    return case.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False, return_final_states=True)
+    return case.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, varlen_states=False,
+                        return_final_states=True)
 
 
 # ---- the properties ----------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ class ChunkedPrefill(ChunkScanCombinedVarlen):
                 offset += p.length
                 final[i] = states2[k]
         outputs = {"y": y}
-        last_of_row = [max(i for i, p in enumerate(seqs) if p.row == row) for row in range(case.batch)]
+        last_of_row = [max(i for i, p in enumerate(seqs) if p.row == row and p.length) for row in range(case.batch)]
         if case.return_final_states:
             outputs["final_states"] = final[last_of_row]
         if case.varlen_states:
