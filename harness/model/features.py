@@ -159,8 +159,9 @@ FEATURES = (
     # the mamba3 entry: the last tokens through the step function, the whole of headdim_qk rotated
     Feature("mamba3_steps", "decoding through the step function from the prefill's four states",
             "the whole sequence in one forward", lambda c: c.mamba3_steps > 0, lambda c: c.replace(mamba3_steps=0)),
+    # headdim_qk 2 at rope 1/2 rotates no pair: it becomes 4 (one pair rotated, as before)
     Feature("rope_full", "rope_fraction 1 (all of headdim_qk rotated)", "rope_fraction 1/2",
-            lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5)),
+            lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5, dstate=max(c.dstate, 4))),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),

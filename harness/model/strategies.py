@@ -259,10 +259,6 @@ def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bo
     if shape["batch"] == 1:
         fields.update({k: v for k, v in draw(sequence_layout(1, shape["seqlen"], shape["chunk_size"],
                                                              allow_padding=False)).items() if k == "segments"})
-        if "segments" in fields and draw(st.booleans()):      # an empty sequence somewhere in cu_seqlens
-            row = fields["segments"][0]
-            at = draw(st.integers(0, len(row)))
-            fields["segments"] = (row[:at] + (0,) + row[at:],)
     fields["regime"] = draw(regimes(("contiguous",)))
     if draw(st.booleans()) if backward is None else backward:
         fields["pass_"] = "backward"
