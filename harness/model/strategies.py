@@ -74,10 +74,10 @@ def _pinned(pin: Optional[dict], name: str, strategy):
 
 @st.composite
 def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_padding: bool = True,
-                    present: Optional[bool] = None) -> dict:
+                    present: Optional[bool] = None, allow_gaps: bool = True) -> dict:
     """segments / padding / gaps / seq_idx_start, or nothing (``present``: whether there are segments; None:
     drawn). Boundaries land mid-chunk and on chunk edges; some rows get an empty sequence, padding between two
-    sequences, or only empty sequences and padding."""
+    sequences (unless ``allow_gaps`` is false: a key that pins varlen states), or only empty sequences and padding."""
     if not (draw(st.booleans()) if present is None else present):
         return {}
     segments, padding, gaps = [], [], []
@@ -91,7 +91,7 @@ def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_paddin
             continue
         pad = draw(st.integers(0, min(3, seqlen - 1))) if allow_padding and seqlen > 1 and draw(st.booleans()) else 0
         between = (draw(st.integers(1, min(3, seqlen - pad - 1)))
-                   if allow_padding and seqlen - pad > 2 and draw(st.integers(0, 3)) == 3 else 0)
+                   if allow_padding and allow_gaps and seqlen - pad > 2 and draw(st.integers(0, 3)) == 3 else 0)
         real = seqlen - pad - between
         if draw(st.booleans()) and real >= chunk_size:
             # boundaries exactly on chunk edges
@@ -147,7 +147,8 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str, pi
     out["initial_states"] = draw(_pinned(pin, "initial_states", st.booleans())) and entry != "layer"  # no layer has them
     if entry == "decode":               # one sequence per row; the step kernel always updates its state
         return out
-    out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"))))
+    out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"),
+                                    allow_gaps=not (pin or {}).get("varlen_states"))))
     # a layer returns only its output
     out["return_final_states"] = draw(_pinned(pin, "return_final_states", st.booleans())) and entry != "layer"
     return out
