@@ -100,9 +100,9 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
 
 # The features the minimizer switches off, in the order it tries them.
 FEATURE_STEPS = ("seq_idx", "empty_sequence", "gaps", "padding", "seq_idx_start", "initial_states", "z", "dt_limit",
-                 "rmsnorm", "d_nonssm", "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
-                 "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype", "bias",
-                 "conv_bias", "layer_steps")
+                 "rmsnorm", "d_nonssm", "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias",
+                 "dt_softplus", "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype",
+                 "bias", "conv_bias", "layer_steps")
 
 
 def candidates(case: Case) -> Iterator[tuple]:
