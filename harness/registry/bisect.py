@@ -88,7 +88,7 @@ class Bisection:
 
 
 def _no_paths(text: str) -> str:
-    """``text`` without this machine's directories ('/x/y/site-packages/triton/a.py' -> 'a.py')."""
+    """``text`` without this machine's directories (a traceback's file paths cut to their file names)."""
     return re.sub(r"(?<![\w.])/(?:[^\s/]+/)+", "", text)
 
 
