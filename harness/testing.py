@@ -508,29 +508,39 @@ def chunk_size_invariance(case: Case, device: str, other_chunk_size: int):
 
 
 def packed_equals_separate(case: Case, device: str):
-    """Sequences packed with seq_idx give the outputs (and end states) of each sequence run alone."""
+    """Sequences packed with seq_idx give the outputs (and end states) of each sequence run alone; an empty
+    sequence's end state is the state it starts from, and a gap's tokens belong to no sequence."""
     case = forward_only(case)
     inputs = materialize(case, device)
     tensors = inputs.float64()
-    padding = case.padding or (0,) * case.batch
     for name in ORACLES:
         packed = call(name, case, tensors, inputs.seq_idx)
         ends = []
         for row, lengths in enumerate(case.segments):
             start = 0
-            for k, n in enumerate(lengths):
-                first = k == 0 and case.seq_idx_start == 0 and case.initial_states
-                alone_case = case.replace(batch=1, seqlen=n, segments=None, padding=None, seq_idx_start=0,
+            gaps = (0, *case.gaps[row]) if case.gaps is not None else (0,) * len(lengths)
+            row_ends = []
+            for k, (n, gap) in enumerate(zip(lengths, gaps)):
+                start += gap
+                first = case.seq_idx_start + k == 0 and case.initial_states
+                if n == 0:
+                    h0 = tensors.get("initial_states")
+                    row_ends.append(h0[row] if first else torch.zeros(case.nheads, case.headdim, case.dstate,
+                                                                        dtype=torch.float64, device=device))
+                    continue
+                alone_case = case.replace(batch=1, seqlen=n, segments=None, padding=None, gaps=None, seq_idx_start=0,
                                           varlen_states=False, initial_states=first)
                 alone = call(name, alone_case, slice_tokens(case, tensors, row, start, start + n, first), None)
                 assert_close(f"{name} y of row {row} sequence {k} (tokens {start}:{start + n}) packed vs alone",
                              packed.y[row:row + 1, start:start + n], alone.y, RTOL, case)
-                ends.append(alone.final_states[0])
+                row_ends.append(alone.final_states[0])
+                last_real = alone.final_states[0]
                 start += n
-            if padding[row] == 0:
-                assert_close(f"{name} final state of row {row} packed vs its last sequence alone",
-                             packed.final_states[row], ends[-1], RTOL, case)
-        if case.batch == 1 and packed.varlen_states is not None:
+            if inputs.seq_idx[row, -1] >= 0:
+                assert_close(f"{name} final state of row {row} packed vs its last non-empty sequence alone",
+                             packed.final_states[row], last_real, RTOL, case)
+            ends.extend(row_ends)
+        if case.batch == 1 and case.entry == "chunk_scan" and packed.varlen_states is not None:
             assert_close(f"{name} varlen states vs each sequence alone", packed.varlen_states, torch.stack(ends),
                          RTOL, case)
 
@@ -587,8 +597,7 @@ def batch_independence(case: Case, device: str):
     for name in ORACLES:
         batched = call(name, case, tensors, inputs.seq_idx)
         for row in range(case.batch):
-            row_case = case.replace(batch=1, segments=None if case.segments is None else (case.segments[row],),
-                                    padding=None if case.padding is None else (case.padding[row],))
+            row_case = case.replace(batch=1, **case.row_layout(row))
             alone = call(name, row_case, slice_tokens(case, tensors, row, 0, case.seqlen, case.initial_states),
                          None if inputs.seq_idx is None else inputs.seq_idx[row:row + 1])
             assert_close(f"{name} row {row} alone vs batched", alone.y, batched.y[row:row + 1], RTOL, case)

@@ -75,6 +75,33 @@ def test_state_not_reset_at_boundaries_is_found_in_passed_states_after_a_boundar
     assert "seq_idx" in finding.localization["features"]["trigger"]
 
 
+def test_a_kernel_that_ignores_empty_sequences_is_found_on_one_and_minimized_to_one(tmp_path, device):
+    """The double numbers sequences by their tokens (an empty sequence numbered 0 leaves its initial state to the
+    next) and reads varlen states at cu_seqlens[i + 1] - 1; right wherever no sequence is empty: the default search
+    draws empty sequences, and the minimizer keeps one in the smallest case."""
+    spec = "ssdiff.sides.doubles:empty_sequence_bug"
+    finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",),
+                                minimize=True, minimize_runs=40))
+    assert "empty_sequence" in finding.localization["features"]["trigger"]
+    assert finding.minimized is not None, finding.minimize_problem
+    small = finding.minimized.minimal
+    assert any(0 in row for row in small.segments), small.describe()
+
+
+def test_a_kernel_whose_strided_offsets_overflow_is_found_on_a_strided_view_only(tmp_path, device, monkeypatch):
+    """The double computes x's element offsets from the strides it is handed in 32 bits, wrapping at STRIDED_WRAP,
+    lowered here above every contiguous x the search draws: only a view into the wide projection reaches it, so
+    the default search finds the bug through the strided layout."""
+    from ssdiff.sides import doubles
+
+    monkeypatch.setattr(doubles, "STRIDED_WRAP", 4096)
+    spec = "ssdiff.sides.doubles:strided_offset_wrap_bug"
+    finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",)))
+    case = finding.outcome.case
+    assert case.regime.layout == "strided" and case.batch * case.seqlen * case.dim < 4096, case.describe()
+    assert "strided" in finding.localization["features"]["trigger"]
+
+
 def test_wrong_mask_on_the_last_partial_chunk_is_found_there(tmp_path, device):
     spec = "ssdiff.sides.doubles:mask_bug"
     finding = only_finding(fuzz(spec, tmp_path, device, max_examples=300, pass_="forward", dtypes=("float32",)))

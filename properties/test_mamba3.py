@@ -5,7 +5,7 @@ What this file checks (the three orders' agreement and gradcheck are in test_ora
 test_oracle_gradcheck.py; mamba_ssm's kernels go through the generic property, test_implementations.py, by their
 records in harness/sides/adapters/mamba3.py):
 - the entry's fields validate with one line naming the field, and a case round-trips through JSON while other
-  entries' JSON does not change; cu_seqlens may hold an empty sequence (a feature of its own);
+  entries' JSON does not change; cu_seqlens may hold an empty sequence, never a gap;
 - prefill-then-decode consistency of the oracle: each order run over [0, k) and then over [k, L) from the four
   final states it returned (angle, SSM, K, V) equals one run (the recurrent order steps token by token);
 - the healthy float32 double, forward and through its step function, is within the same-precision budget;
@@ -81,12 +81,12 @@ def test_a_mamba3_case_round_trips_and_other_entries_json_is_unchanged():
     assert "rope_fraction" not in Case().to_dict() and "mamba3_steps" not in Case().to_dict()
 
 
-def test_an_empty_sequence_is_expressible_for_mamba3_only_and_switches_off_as_a_feature():
+def test_an_empty_sequence_switches_off_as_a_feature_and_cu_seqlens_take_no_gaps():
     case = Case(**M3, seqlen=9, segments=((4, 0, 5),), initial_states=True)
     assert "empty_sequence" in features.present(case)
     assert features.switch_off(case, "empty_sequence").segments == ((4, 5),)
-    with pytest.raises(CaseError, match="every length must be a positive integer"):
-        Case(seqlen=9, segments=((4, 0, 5),))
+    with pytest.raises(CaseError, match="the mamba3 entry's sequences are cu_seqlens"):
+        Case(**M3, seqlen=10, segments=((4, 5),), gaps=((1,),))
 
 
 # ---- the oracle: prefill then decode ----------------------------------------------------------------------

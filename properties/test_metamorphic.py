@@ -98,7 +98,8 @@ def scan_case(data, impl, dtypes=None) -> Case:
 
 
 def unsegmented(case: Case) -> Case:
-    return case.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False, return_final_states=True)
+    return case.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, varlen_states=False,
+                        return_final_states=True)
 
 
 # ---- the properties ----------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def test_the_sequences_of_a_packed_row_equal_each_run_alone(name, device, data):
     assume(len(lengths) >= 2)
     with Examiner([name], device) as examiner:
         holds(metamorphic.packed_alone, examiner, get(name),
-              case.replace(batch=1, segments=(lengths,), padding=None, varlen_states=False))
+              case.replace(batch=1, segments=(lengths,), padding=None, gaps=None, varlen_states=False))
 
 
 # Layers that decode (layer_steps), each as its adapter drives its cache.
@@ -155,7 +156,7 @@ LAYER_SMALL = Bounds(max_batch=2, max_seqlen=12, max_nheads=4, max_headdim=4, ma
 
 
 def undecoded(case: Case) -> Case:
-    return case.replace(segments=None, padding=None, seq_idx_start=0, layer_steps=0)
+    return case.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, layer_steps=0)
 
 
 def decodable(name: str, case: Case) -> bool:

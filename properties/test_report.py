@@ -287,7 +287,7 @@ def test_minimized_case_and_repro_are_shown_when_their_files_exist(planted_run, 
     folder = copy / "divergence-001"
     found = planted_run.case(1)
     # a shorter case whatever length the search found (the page marks the fields a minimized case changed)
-    smaller = found.replace(batch=1, seqlen=found.seqlen // 2 or 2, seed=7, segments=None, padding=None,
+    smaller = found.replace(batch=1, seqlen=found.seqlen // 2 or 2, seed=7, segments=None, padding=None, gaps=None,
                             seq_idx_start=0, varlen_states=False)
     (folder / "minimized.json").write_text(smaller.to_json())
     repro = 'import sys\nprint("<both sides> & exit 1")\nsys.exit(1)\n'

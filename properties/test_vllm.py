@@ -437,7 +437,7 @@ def test_a_planted_serving_bug_is_found_minimized_and_its_repro_diverges(tmp_pat
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stdout[-2000:] + result.stderr[-2000:]
 
 
-# vLLM 0.33.0 and 0.34.0 (observed by ssdiff; no Case expresses an empty sequence, so it is no harness/registry/known.py record): for a
+# vLLM 0.33.0 and 0.34.0 (a Case's empty sequence: the record vllm-varlen-empty-sequence-state): for a
 # request without new tokens whose computed tokens fill whole chunks, the chunk-metadata builder emits no chunk and
 # names the last chunk emitted before it as its last; the returned final states (states[last_chunk_indices]) then
 # give it its predecessor's state (or, first in the pack, the pack's last chunk's), while the fused state-cache

@@ -20,6 +20,7 @@ from ssdiff.inputs import Inputs, widen
 from ssdiff.model.case import Case
 from ssdiff.model.evaluation import Evaluation, evaluate_graph
 from ssdiff.model.stages import STAGE_ORDER
+from ssdiff.truth import with_empty_sequences
 
 
 # The oracle at other inputs: (case, inputs) -> Evaluation (e.g. ssdiff.truth.evaluate).
@@ -122,6 +123,13 @@ def evaluate_folded(case: Case, inputs: list, samples: tuple, device: Optional[s
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = rounding.keep(final)
+        if case.varlen_states and 0 in case.segments[0]:
+            # the empty sequences' states, each the state it starts from (harness/truth/README.md)
+            lead = (n,) if n else ()
+            h0 = leaves.get("initial_states")
+            zeros = torch.zeros(lead + (case.nheads, case.headdim, case.dstate), dtype=torch.float32,
+                                device=leaves["x"].device)
+            varlen = with_empty_sequences(case, varlen, None if h0 is None else (h0 if n else h0[0]).float(), zeros)
         if case.varlen_states and varlen is not None:
             outputs["varlen_states"] = varlen
         stages["y"] = y

@@ -61,19 +61,22 @@ def differentiable_names(case: Case) -> tuple:
 
 
 def seq_idx_rows(case: Case) -> Optional[torch.Tensor]:
-    """seq_idx (b, L) int32 from the case's segments, padding and start, or None."""
+    """seq_idx (b, L) int32 from the case's segments, gaps, padding and start, or None: sequence i of a row is
+    numbered seq_idx_start + i (an empty one's number marks no token), a gap's and the padding's tokens -1."""
     if case.segments is None:
         return None
     padding = case.padding or (0,) * case.batch
     rows = []
-    for lengths, pad in zip(case.segments, padding):
-        ids = [case.seq_idx_start + i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * pad
-        rows.append(ids)
+    for row, (lengths, pad) in enumerate(zip(case.segments, padding)):
+        gaps = (0, *case.gaps[row]) if case.gaps is not None else (0,) * len(lengths)
+        ids = [t for i, (n, gap) in enumerate(zip(lengths, gaps)) for t in [-1] * gap + [case.seq_idx_start + i] * n]
+        rows.append(ids + [-1] * pad)
     return torch.tensor(rows, dtype=torch.int32)
 
 
 def cu_seqlens(case: Case) -> Optional[torch.Tensor]:
-    """cu_seqlens (nseq + 1,) int32 for batch 1 (padding tokens belong to no sequence)."""
+    """cu_seqlens (nseq + 1,) int32 for batch 1 (padding tokens belong to no sequence; an empty sequence repeats
+    an offset)."""
     if case.segments is None or case.batch != 1:
         return None
     bounds = [0]

@@ -256,9 +256,18 @@ def draw(case, device="cpu", decay_only: bool = False) -> tuple:
     grad_outputs = {}
     if case.backward:
         grad_outputs["y"] = normal(*y_shape).to(device).to(act).to(torch.float64)
-        if case.padding:
-            # Outputs at padding tokens are unspecified (not judged): no cotangent may carry them into gradients.
-            real = torch.arange(L)[None, :] < torch.tensor([L - pad for pad in case.padding])[:, None]
+        gaps = getattr(case, "gaps", None)
+        if case.padding or gaps:
+            # Outputs at padding tokens (trailing, or in a gap between two sequences) are unspecified (not judged):
+            # no cotangent may carry them into gradients.
+            real = torch.ones(b, L, dtype=torch.bool)
+            for row in range(b):
+                if case.padding:
+                    real[row, L - case.padding[row]:] = False
+                start = 0
+                for length, gap in zip(case.segments[row], (0, *gaps[row]) if gaps else ()):
+                    real[row, start:start + gap] = False
+                    start += gap + length
             grad_outputs["y"] = grad_outputs["y"] * real.reshape(b, L, *[1] * (len(y_shape) - 2)).to(device)
         if case.final_state_grad:
             rows = len(case.segments[0]) if case.entry == "mamba3" and case.segments is not None else b

@@ -54,8 +54,7 @@ def judged_slice(case: Case) -> tuple:
     heads = (0, case.nheads - 1) if case.nheads > 1 else (0,)
     part = case.replace(
         batch=1, nheads=len(heads), ngroups=len(heads) if case.ngroups > 1 else 1,
-        segments=None if case.segments is None else (case.segments[row],),
-        padding=None if case.padding is None else (case.padding[row],))
+        **case.row_layout(row))
     return part, row, heads
 
 

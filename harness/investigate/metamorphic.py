@@ -133,11 +133,7 @@ def split_prefill(examiner, impl, case: Case, cut: int, choice=0) -> Relation:
 
 
 def _row_case(case: Case, row: int) -> Case:
-    changes = dict(batch=1)
-    if case.segments is not None:
-        changes["segments"] = case.segments[row:row + 1]
-        changes["padding"] = case.padding[row:row + 1] if case.padding is not None else None
-    return case.replace(**changes)
+    return case.replace(batch=1, **case.row_layout(row)) if case.segments is not None else case.replace(batch=1)
 
 
 def rows_alone(impl, case: Case, device, choice=0) -> Relation:
@@ -170,8 +166,9 @@ def packed_alone(examiner, impl, case: Case, choice=0) -> Relation:
     (from zero; the first from the row's initial states when its seq_idx is 0, which is where initial states
     enter): y, and the final state (the last sequence's)."""
     case = _forward_scan(case)
-    if case.batch != 1 or case.segments is None or len(case.segments[0]) < 2 or case.padding:
-        raise NotApplicable("packed_alone takes one row packing two or more sequences, without padding")
+    if case.batch != 1 or case.segments is None or len(case.segments[0]) < 2 or case.padded \
+            or 0 in case.segments[0]:
+        raise NotApplicable("packed_alone takes one row packing two or more non-empty sequences, without padding")
     device = examiner.device
     _applicable(impl, case, device)
     inputs = examiner.evidence(case).inputs

@@ -78,6 +78,8 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
     """Segments cut to a new seqlen (the same boundaries where they still fit, padding kept if it fits)."""
     if case.segments is None:
         return {}
+    if case.gaps is not None:
+        case = switch_off(case, "gaps")              # the gaps' tokens join their sequences first
     segments, padding = [], []
     for row, lengths in enumerate(case.segments):
         pad = min((case.padding or (0,) * case.batch)[row], seqlen - 1)
@@ -91,16 +93,16 @@ def _fit_segments(case: Case, seqlen: int) -> dict:
             kept[-1] += room
         segments.append(tuple(kept))
         padding.append(pad)
-    out = dict(segments=tuple(segments))
+    out = dict(segments=tuple(segments), gaps=None)
     out["padding"] = tuple(padding) if any(padding) else None
     return out
 
 
 # The features the minimizer switches off, in the order it tries them.
-FEATURE_STEPS = ("seq_idx", "padding", "seq_idx_start", "initial_states", "z", "dt_limit", "rmsnorm", "d_nonssm",
-                 "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias", "dt_softplus",
-                 "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype", "bias",
-                 "conv_bias", "layer_steps")
+FEATURE_STEPS = ("seq_idx", "empty_sequence", "gaps", "padding", "seq_idx_start", "initial_states", "z", "dt_limit",
+                 "rmsnorm", "d_nonssm", "out_proj", "outproj_bias", "varlen_states", "final_state_grad", "dt_bias",
+                 "dt_softplus", "backward", "final_states", "D", "D_channel", "state_batch_indices", "state_dtype",
+                 "bias", "conv_bias", "layer_steps")
 
 
 def candidates(case: Case) -> Iterator[tuple]:

@@ -210,9 +210,10 @@ def token_sequences(case: Case) -> list:
     None at a padding token. Needs ``case.segments``."""
     out = []
     pads = case.padding or (0,) * case.batch
-    for row, pad in zip(case.segments, pads):
-        marks = []
-        for k, n in enumerate(row):
+    for r, (row, pad) in enumerate(zip(case.segments, pads)):
+        marks, gaps = [], (0, *case.gaps[r]) if case.gaps is not None else (0,) * len(row)
+        for k, (n, gap) in enumerate(zip(row, gaps)):
+            marks.extend([None] * gap)
             marks.extend((k, off) for off in range(n))
         marks.extend([None] * pad)
         out.append(marks)

@@ -85,8 +85,11 @@ class Case:
     """One SSD call. Sizes (harness/truth/README.md, "The SSD map"): b batch, L seqlen, h nheads, p headdim, g ngroups, n dstate, Q chunk.
 
     segments: per batch row, the lengths of the packed sequences (seq_idx counts them from
-      ``seq_idx_start``); a row's lengths plus ``padding[row]`` must sum to seqlen. None: no seq_idx.
+      ``seq_idx_start``); a length may be 0 (an empty sequence: its number has no token, cu_seqlens repeats an
+      offset); a row's lengths plus its gaps plus ``padding[row]`` must sum to seqlen. None: no seq_idx.
     padding: per batch row, the number of trailing tokens marked seq_idx = -1.
+    gaps: per batch row, one count per pair of consecutive sequences: the tokens marked seq_idx = -1 between
+      them (padding inside the row). None: none.
     varlen_states: ask for one final state per sequence (batch 1, forward only; needs segments).
     """
 
@@ -108,6 +111,7 @@ class Case:
     initial_states: bool = False
     segments: Optional[tuple[tuple[int, ...], ...]] = None
     padding: Optional[tuple[int, ...]] = None
+    gaps: Optional[tuple[tuple[int, ...], ...]] = None
     seq_idx_start: int = 0
     varlen_states: bool = False
     return_final_states: bool = True
@@ -182,6 +186,17 @@ class Case:
         return self.segments is not None
 
     @property
+    def padded(self) -> bool:
+        """Whether some token is padding (seq_idx = -1): trailing padding, a gap, or both."""
+        return bool((self.padding and any(self.padding)) or (self.gaps and any(map(any, self.gaps))))
+
+    def row_layout(self, row: int) -> dict:
+        """The sequence fields of batch row ``row`` alone (segments, padding, gaps), for a batch-1 replace."""
+        pick = lambda rows: None if rows is None else (rows[row],)
+        gaps = pick(self.gaps) if self.gaps is not None and any(self.gaps[row]) else None
+        return dict(segments=pick(self.segments), padding=pick(self.padding), gaps=gaps)
+
+    @property
     def backward(self) -> bool:
         return self.pass_ == "backward"
 
@@ -225,6 +240,8 @@ class Case:
                 continue
             if f.name in MAMBA3_FIELDS and self.entry not in ("mamba3", "mamba3_layer"):
                 continue
+            if f.name == "gaps" and self.gaps is None:
+                continue                # a case without gaps keeps the JSON it had before gaps existed
             value = getattr(self, f.name)
             if f.name == "regime":
                 value = dataclasses.asdict(value)
@@ -292,6 +309,8 @@ class Case:
             feats.append(f"seq_idx={[list(r) for r in self.segments]}")
             if self.padding and any(self.padding):
                 feats.append(f"pad={list(self.padding)}")
+            if self.gaps is not None:
+                feats.append(f"gaps={[list(r) for r in self.gaps]}")
             if self.seq_idx_start:
                 feats.append(f"seq_start={self.seq_idx_start}")
         if self.varlen_states:
@@ -420,6 +439,8 @@ def _violations(c: Case):
             yield "varlen_states=true is forward only: pass_ must be 'forward'"
         if c.entry != "chunk_scan":
             yield "varlen_states=true is only defined for entry 'chunk_scan'"
+        if c.gaps is not None:
+            yield "varlen_states=true needs no gaps (cu_seqlens cannot skip padding between sequences)"
     if c.final_state_grad and not (c.backward and c.return_final_states):
         yield "final_state_grad=true needs pass_='backward' and return_final_states=true"
 
@@ -499,8 +520,9 @@ def _mamba3_violations(c: Case):
         yield "has_dt_bias / dt_softplus / dt_limit: the mamba3 entry takes DT already processed; all must be off"
     if c.D == "channel":
         yield "D: the mamba3 entry's D is per head ('none' or 'head')"
-    if c.padding is not None or c.seq_idx_start or c.varlen_states:
-        yield "padding / seq_idx_start / varlen_states: the mamba3 entry's sequences are cu_seqlens (segments only)"
+    if c.padding is not None or c.gaps is not None or c.seq_idx_start or c.varlen_states:
+        yield ("padding / gaps / seq_idx_start / varlen_states: the mamba3 entry's sequences are cu_seqlens "
+               "(segments only)")
     if c.segments is not None and c.batch != 1:
         yield f"segments: the mamba3 entry packs sequences as cu_seqlens, batch must be 1, got {c.batch}"
     if c.regime.layout != "contiguous":
@@ -532,8 +554,9 @@ def _mamba3_layer_violations(c: Case):
         yield "bias / d_nonssm / out_dim / outproj_bias: a Mamba3 module has no biases on its projections, no branch"
     if not c.norm_before_gate:
         yield "norm_before_gate: a Mamba3 module's output norm gates after normalizing; must be true"
-    if c.padding is not None or c.seq_idx_start or c.varlen_states:
-        yield "padding / seq_idx_start / varlen_states: a mamba3_layer's sequences are cu_seqlens (segments only)"
+    if c.padding is not None or c.gaps is not None or c.seq_idx_start or c.varlen_states:
+        yield ("padding / gaps / seq_idx_start / varlen_states: a mamba3_layer's sequences are cu_seqlens "
+               "(segments only)")
     if c.d_model < 1 or c.dim % c.d_model:
         yield f"d_model={c.d_model} must divide d_inner = nheads * headdim = {c.dim} (expand is an integer)"
     if c.layer_steps and not 0 < c.layer_steps < c.seqlen:
@@ -554,6 +577,8 @@ def _segment_violations(c: Case):
     if c.segments is None:
         if c.padding is not None:
             yield "padding needs segments (padding tokens are marked in seq_idx)"
+        if c.gaps is not None:
+            yield "gaps needs segments (padding tokens are marked in seq_idx)"
         if c.seq_idx_start:
             yield "seq_idx_start needs segments"
         return
@@ -564,6 +589,9 @@ def _segment_violations(c: Case):
     if not isinstance(padding, tuple) or len(padding) != c.batch:
         yield f"padding: expected one count per batch row ({c.batch}), got {c.padding!r}"
         return
+    if c.gaps is not None and (not isinstance(c.gaps, tuple) or len(c.gaps) != c.batch):
+        yield f"gaps: expected one list of counts per batch row ({c.batch}), got {c.gaps!r}"
+        return
     if c.seq_idx_start < 0:
         yield f"seq_idx_start={c.seq_idx_start} must be non-negative"
     for row, (lengths, pad) in enumerate(zip(c.segments, padding)):
@@ -573,15 +601,22 @@ def _segment_violations(c: Case):
         if not isinstance(lengths, tuple) or not lengths:
             yield f"segments[{row}]: expected a non-empty list of lengths, got {lengths!r}"
             return
-        least = 0 if c.entry in ("mamba3", "mamba3_layer") else 1      # cu_seqlens may hold an empty sequence
         for length in lengths:
-            if not isinstance(length, int) or isinstance(length, bool) or length < least:
-                yield (f"segments[{row}]: every length must be a {'non-negative' if least == 0 else 'positive'} "
-                       f"integer, got {length!r}")
+            if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+                yield f"segments[{row}]: every length must be a non-negative integer, got {length!r}"
                 return
-        if sum(lengths) + pad != c.seqlen:
-            yield (f"segments[{row}]={list(lengths)} plus padding {pad} sum to {sum(lengths) + pad}, "
-                   f"must equal seqlen={c.seqlen}")
+        gaps = c.gaps[row] if c.gaps is not None else (0,) * (len(lengths) - 1)
+        if not isinstance(gaps, tuple) or len(gaps) != len(lengths) - 1 or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in gaps):
+            yield (f"gaps[{row}]={gaps!r}: expected {len(lengths) - 1} non-negative counts (one between each pair "
+                   f"of the row's {len(lengths)} sequences)")
+            return
+        if sum(lengths) + sum(gaps) + pad != c.seqlen:
+            named = f" plus gaps {list(gaps)}" if c.gaps is not None else ""
+            yield (f"segments[{row}]={list(lengths)}{named} plus padding {pad} sum to "
+                   f"{sum(lengths) + sum(gaps) + pad}, must equal seqlen={c.seqlen}")
+    if c.gaps is not None and not any(map(any, c.gaps)):
+        yield "gaps: every count is 0; leave gaps out (null) instead"
 
 
 # ---- JSON coercion ---------------------------------------------------------------------------------------
@@ -624,7 +659,7 @@ def _coerce(name: str, value):
             else:
                 raise CaseError(f"dt_limit: expected numbers (or \"inf\"), got {v!r}")
         return tuple(out)
-    if name in ("segments", "padding") and value is not None:
+    if name in ("segments", "padding", "gaps") and value is not None:
         if not isinstance(value, list):
             raise CaseError(f"{name}: expected a list, got {value!r}")
         return _lists_to_tuples(value)

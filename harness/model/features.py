@@ -40,7 +40,40 @@ class Feature:
 
 
 def _no_seq_idx(c: Case) -> Case:
-    return c.replace(segments=None, padding=None, seq_idx_start=0, varlen_states=False)
+    return c.replace(segments=None, padding=None, gaps=None, seq_idx_start=0, varlen_states=False)
+
+
+def _no_empty_sequences(c: Case) -> Case:
+    """Each empty sequence left out (the gap before it joins the next gap, or the row's first or last sequence);
+    a row of empty sequences alone becomes one sequence over all its tokens."""
+    segments, gaps, padding = [], [], []
+    for row, lengths in enumerate(c.segments):
+        between = c.gaps[row] if c.gaps is not None else (0,) * (len(lengths) - 1)
+        kept, kept_gaps, carried = [], [], 0
+        for i, n in enumerate(lengths):
+            carried += between[i - 1] if i else 0
+            if n:
+                if kept:
+                    kept_gaps.append(carried)
+                kept.append(n + (carried if not kept else 0))   # no gap before a row's first sequence
+                carried = 0
+        if kept:
+            kept[-1] += carried                                 # the gap before a trailing empty sequence
+        pad = (c.padding or (0,) * c.batch)[row]
+        if not kept:
+            kept, pad = [c.seqlen], 0
+        segments.append(tuple(kept))
+        gaps.append(tuple(kept_gaps))
+        padding.append(pad)
+    return c.replace(segments=tuple(segments), gaps=tuple(gaps) if any(map(any, gaps)) else None,
+                     padding=tuple(padding) if any(padding) else None)
+
+
+def _no_gaps(c: Case) -> Case:
+    """Each gap's tokens given to the sequence before it."""
+    segments = tuple(tuple(n + (gaps[i] if i < len(gaps) else 0) for i, n in enumerate(row))
+                     for row, gaps in zip(c.segments, c.gaps))
+    return c.replace(segments=segments, gaps=None)
 
 
 def _fold_padding(c: Case) -> Case:
@@ -56,14 +89,17 @@ def _no_final_states(c: Case) -> Case:
 
 def _unragged(c: Case) -> Case:
     """seqlen up to a whole number of chunks, the tokens added to each row's padding where it has some, else to its
-    last sequence that has tokens: every token keeps its place and its sequence, every chunk stays."""
+    last sequence that has tokens: every sequence's tokens keep their places, every chunk stays."""
     delta = -c.seqlen % c.chunk_size
     changes = dict(seqlen=c.seqlen + delta)
     if c.segments is not None:
         pads = c.padding or (0,) * c.batch
         segs = []
         for row, pad in zip(c.segments, pads):
-            last = max((i for i, n in enumerate(row) if n), default=len(row) - 1)
+            last = max((i for i, n in enumerate(row) if n), default=None)
+            if last is None and not pad:
+                raise CaseError("ragged: a row of empty sequences and gaps alone has no sequence or padding to "
+                                "take tokens")
             segs.append(row if pad else row[:last] + (row[last] + delta,) + row[last + 1:])
         changes["segments"] = tuple(segs)
         changes["padding"] = tuple(pad + delta if pad else 0 for pad in pads) if any(pads) else None
@@ -79,13 +115,11 @@ def _no_swiglu(c: Case) -> Case:
 
 def _one_row(c: Case) -> Case:
     """batch 1, keeping the row whose sequences show the most: padding first, then the most sequences."""
-    changes = dict(batch=1)
-    if c.segments is not None:
-        pads = c.padding or (0,) * c.batch
-        keep = max(range(c.batch), key=lambda r: (pads[r] > 0, len(c.segments[r])))
-        changes["segments"] = (c.segments[keep],)
-        changes["padding"] = (pads[keep],) if pads[keep] else None
-    return c.replace(**changes)
+    if c.segments is None:
+        return c.replace(batch=1)
+    pads = c.padding or (0,) * c.batch
+    keep = max(range(c.batch), key=lambda r: (pads[r] > 0, len(c.segments[r])))
+    return c.replace(batch=1, **c.row_layout(keep))
 
 
 # The order is the ablation's (minimal_trigger tries them in it) and `without`'s: a feature whose switch-off
@@ -125,14 +159,16 @@ FEATURES = (
     # the mamba3 entry: the last tokens through the step function, the whole of headdim_qk rotated
     Feature("mamba3_steps", "decoding through the step function from the prefill's four states",
             "the whole sequence in one forward", lambda c: c.mamba3_steps > 0, lambda c: c.replace(mamba3_steps=0)),
+    # headdim_qk 2 at rope 1/2 rotates no pair: it becomes 4 (one pair rotated, as before)
     Feature("rope_full", "rope_fraction 1 (all of headdim_qk rotated)", "rope_fraction 1/2",
-            lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5)),
-    Feature("empty_sequence", "an empty sequence in cu_seqlens", "no empty sequence",
-            lambda c: c.entry in ("mamba3", "mamba3_layer") and c.segments is not None and 0 in c.segments[0],
-            lambda c: c.replace(segments=(tuple(n for n in c.segments[0] if n) or (c.seqlen,),))),
+            lambda c: c.rope_fraction == 1.0, lambda c: c.replace(rope_fraction=0.5, dstate=max(c.dstate, 4))),
     Feature("varlen_states", "varlen states", "no varlen states", lambda c: c.varlen_states,
             lambda c: c.replace(varlen_states=False)),
     Feature("seq_idx", "seq_idx", "no seq_idx", lambda c: c.segments is not None, _no_seq_idx),
+    Feature("empty_sequence", "an empty sequence (length 0)", "no empty sequence",
+            lambda c: c.segments is not None and any(0 in row for row in c.segments), _no_empty_sequences),
+    Feature("gaps", "padding between sequences (seq_idx = -1 inside a row)", "no padding between sequences",
+            lambda c: c.gaps is not None, _no_gaps),
     Feature("padding", "padding tokens (seq_idx = -1)", "no padding", lambda c: bool(c.padding and any(c.padding)),
             _fold_padding),
     Feature("seq_idx_start", "seq_idx not starting at 0", "seq_idx starts at 0", lambda c: c.seq_idx_start > 0,
@@ -172,7 +208,7 @@ BY_KEY = {f.key: f for f in FEATURES}
 KEYS = tuple(BY_KEY)
 
 # What a call without a seq_idx argument cannot express: each of these needs the case's segments.
-NEEDS_SEQ_IDX = frozenset({"seq_idx", "padding", "seq_idx_start", "varlen_states"})
+NEEDS_SEQ_IDX = frozenset({"seq_idx", "empty_sequence", "gaps", "padding", "seq_idx_start", "varlen_states"})
 
 
 def feature(key: str) -> Feature:

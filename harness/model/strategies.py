@@ -74,26 +74,47 @@ def _pinned(pin: Optional[dict], name: str, strategy):
 
 @st.composite
 def sequence_layout(draw, batch: int, seqlen: int, chunk_size: int, allow_padding: bool = True,
-                    present: Optional[bool] = None) -> dict:
-    """segments / padding / seq_idx_start, or nothing (``present``: whether there are segments; None: drawn).
-    Boundaries land mid-chunk and on chunk edges."""
+                    present: Optional[bool] = None, allow_gaps: bool = True) -> dict:
+    """segments / padding / gaps / seq_idx_start, or nothing (``present``: whether there are segments; None:
+    drawn). Boundaries land mid-chunk and on chunk edges; some rows get an empty sequence, padding between two
+    sequences (unless ``allow_gaps`` is false: a key that pins varlen states), or only empty sequences and padding."""
     if not (draw(st.booleans()) if present is None else present):
         return {}
-    segments, padding = [], []
+    segments, padding, gaps = [], [], []
     for _ in range(batch):
+        if allow_padding and draw(st.integers(0, 11)) == 11:
+            # every sequence of the row empty: the row is all padding
+            count = draw(st.integers(1, 2))
+            segments.append((0,) * count)
+            gaps.append((0,) * (count - 1))
+            padding.append(seqlen)
+            continue
         pad = draw(st.integers(0, min(3, seqlen - 1))) if allow_padding and seqlen > 1 and draw(st.booleans()) else 0
-        if draw(st.booleans()) and seqlen - pad >= chunk_size:
+        between = (draw(st.integers(1, min(3, seqlen - pad - 1)))
+                   if allow_padding and allow_gaps and seqlen - pad > 2 and draw(st.integers(0, 3)) == 3 else 0)
+        real = seqlen - pad - between
+        if draw(st.booleans()) and real >= chunk_size:
             # boundaries exactly on chunk edges
-            whole = (seqlen - pad) // chunk_size
+            whole = real // chunk_size
             lens = [chunk_size] * whole
-            lens[-1] += (seqlen - pad) - whole * chunk_size
-            segments.append(tuple(lens))
+            lens[-1] += real - whole * chunk_size
         else:
-            segments.append(draw(lengths_summing_to(seqlen - pad)))
+            lens = list(draw(lengths_summing_to(real)))
+        if draw(st.integers(0, 2)) == 2:
+            lens.insert(draw(st.integers(0, len(lens))), 0)          # an empty sequence
+        row_gaps = [0] * (len(lens) - 1)
+        if between and row_gaps:
+            row_gaps[draw(st.integers(0, len(row_gaps) - 1))] = between
+        else:
+            pad += between
+        segments.append(tuple(lens))
+        gaps.append(tuple(row_gaps))
         padding.append(pad)
     out = dict(segments=tuple(segments))
     if any(padding):
         out["padding"] = tuple(padding)
+    if any(map(any, gaps)):
+        out["gaps"] = tuple(gaps)
     if draw(st.booleans()):
         out["seq_idx_start"] = draw(st.integers(1, 2))
     return out
@@ -126,7 +147,8 @@ def scan_features(draw, batch: int, seqlen: int, chunk_size: int, entry: str, pi
     out["initial_states"] = draw(_pinned(pin, "initial_states", st.booleans())) and entry != "layer"  # no layer has them
     if entry == "decode":               # one sequence per row; the step kernel always updates its state
         return out
-    out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"))))
+    out.update(draw(sequence_layout(batch, seqlen, chunk_size, present=(pin or {}).get("seq_idx"),
+                                    allow_gaps=not (pin or {}).get("varlen_states"))))
     # a layer returns only its output
     out["return_final_states"] = draw(_pinned(pin, "return_final_states", st.booleans())) and entry != "layer"
     return out
@@ -209,7 +231,7 @@ def cases(draw, entry: Optional[str] = None, dtypes: Sequence[str] = ("float32",
         fields["pass_"] = "backward"
         fields["final_state_grad"] = fields["return_final_states"] and draw(_pinned(pin, "final_state_grad",
                                                                                     st.booleans()))
-    elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields
+    elif (varlen and entry == "chunk_scan" and shape["batch"] == 1 and "segments" in fields and "gaps" not in fields
           and draw(_pinned(pin, "varlen_states", st.booleans()))):
         fields["varlen_states"] = True
     elif entry == "layer" and "segments" not in fields and shape["seqlen"] > 1 and (
@@ -238,10 +260,6 @@ def mamba3_cases(draw, dtypes: Sequence[str] = ("float32",), bounds: Bounds = Bo
     if shape["batch"] == 1:
         fields.update({k: v for k, v in draw(sequence_layout(1, shape["seqlen"], shape["chunk_size"],
                                                              allow_padding=False)).items() if k == "segments"})
-        if "segments" in fields and draw(st.booleans()):      # an empty sequence somewhere in cu_seqlens
-            row = fields["segments"][0]
-            at = draw(st.integers(0, len(row)))
-            fields["segments"] = (row[:at] + (0,) + row[at:],)
     fields["regime"] = draw(regimes(("contiguous",)))
     if draw(st.booleans()) if backward is None else backward:
         fields["pass_"] = "backward"

@@ -228,6 +228,17 @@ DRAFTS = {
                   "differs between the two positions under most of its configs (BLOCK_SIZE_H >= 4; H200, triton 3.6)",
         call="vllm.model_executor.layers.mamba.ops.ssd_combined.mamba_chunk_scan_combined_varlen",
         needs="torch, triton and vllm's SSD ops (through ssdiff's registry), on a GPU"),
+    "vllm-varlen-empty-sequence-state": Draft(
+        title="mamba_chunk_scan_combined_varlen: a request with no tokens in the pack gets its predecessor's "
+              "final state",
+        should="A sequence with no tokens (a repeated cu_seqlens offset) leaves its state as it started: its "
+               "initial state where one is given, else zeros. Its entry of the returned states is that state.",
+        code_path="The final states are read per request at `last_chunk_indices` "
+                  "(`vllm/model_executor/layers/mamba/ops/ssd_combined.py`, `mamba_chunk_scan_combined_varlen`); "
+                  "the metadata builder gives a request without new tokens no chunk of its own, so its index names "
+                  "the last chunk of the request before it (or -1 at the front of the pack)",
+        call="vllm.model_executor.layers.mamba.ops.ssd_combined.mamba_chunk_scan_combined_varlen",
+        needs="torch, triton and vllm's SSD ops (through ssdiff's registry)"),
     "fla-mamba2-step-ignores-dt-limit": Draft(
         title="Mamba2 (fla.layers.mamba2): cached decoding on the kernel path ignores dt_limit",
         should="Each decoded token's dt is clamped to dt_limit exactly as the prefill clamps it, so that decoding "

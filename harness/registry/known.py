@@ -641,6 +641,24 @@ DEFECTS += (
         example_choice=3),
 )
 
+# vLLM's varlen prefill and an empty request (read in vllm 0.33.0): the model runner's chunk metadata gives a request
+# without new tokens no chunk of its own, so its last_chunk_indices entry names its predecessor's last chunk (-1 at
+# the front of the pack), and the final state the call returns for it is that chunk's end state.
+DEFECTS += (
+    KnownDefect(
+        id="vllm-varlen-empty-sequence-state",
+        implementations=("vllm.chunk_scan_combined_varlen", "vllm.chunked_prefill"), package="vllm",
+        affected=("0.33.0", None),
+        applies=lambda c: c.varlen_states and any(n == 0 for n in c.segments[0]),
+        statement="mamba_chunk_scan_combined_varlen returns, for a sequence with no tokens in the pack (a repeated "
+                  "cu_seqlens offset), the end state of the chunk its last_chunk_indices entry names: the previous "
+                  "sequence's final state (or the last chunk's, at the front of the pack) instead of the state it "
+                  "starts from (with the chunk metadata vLLM's builder makes for it; whether its model runner packs a "
+                  "request without new tokens was not checked)",
+        status=UNREPORTED, severity=NON_DEFAULT, searched="2026-12-07",
+        test=UPSTREAM_TESTS, example=Case(seqlen=10, segments=((4, 0, 6),), varlen_states=True)),
+)
+
 # fla's Mamba2 decoding (read in flash-linear-attention 0.6.0): cuda_kernels_forward's single-token path calls
 # mamba_ssm's selective_state_update with dt_softplus but no dt_limit, while its prefill passes dt_limit to
 # mamba_chunk_scan_combined (its torch path clamps both).

@@ -4,8 +4,8 @@ They live in the package (not in a test file) because `ssdiff fuzz --isolate` ru
 process that must import them. They are not registered: name one as ``ssdiff.sides.doubles:NAME`` (the fuzz CLI
 and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sides.doubles:group_bug``.
 
-- `ToyKernel`: a chunked SSD computed chunk by chunk in float32 (chunk_scan entry; every feature but varlen
-  states), exposing every stage of the pipeline. With ``bug=`` one planted mistake:
+- `ToyKernel`: a chunked SSD computed chunk by chunk in float32 (chunk_scan entry; every feature), exposing every
+  stage of the pipeline. With ``bug=`` one planted mistake:
     "group_index"   chunk states take B from group ``head % ngroups`` instead of ``head // (nheads/ngroups)``;
     "no_reset"      the state passed between chunks does not reset where seq_idx changes;
     "partial_mask"  in the last, partial chunk the causal mask lets each token see the next one;
@@ -15,6 +15,17 @@ and ssdiff.sides.runner resolve that form), e.g. ``ssdiff fuzz --impl ssdiff.sid
     "drop_initial_states"  the initial states are ignored (every row starts from zero);
     "offset_wrap"   x's element i past huge.HUGE_ELEMENTS is read from i - HUGE_ELEMENTS (a 32-bit offset that
                     overflows at 2**31; harness/inputs/huge.py, whose threshold a test lowers to a small case's size).
+    "strided_offset_wrap"  x read through the strides it is handed, its element offsets b s_b + t s_t + h s_h +
+                    p s_p computed in 32 bits: an offset at or past STRIDED_WRAP reads the element STRIDED_WRAP
+                    before it in x's storage (for a strided x, the wide tensor it is a view of). It models where
+                    an int32 stride product overflows — a view's offsets reach STRIDED_WRAP long before its element
+                    count does — not how: a real overflow wraps negative and reads before the tensor, the double
+                    stays inside the storage so its reads are defined. Forward values only (gradients as if right).
+    "empty_sequence"  empty sequences ignored: seq_idx renumbered densely over the non-empty sequences (so the
+                    initial state feeds the first of them even where an empty sequence numbered 0 took it), and a
+                    varlen state read at token cu_seqlens[i + 1] - 1 (clamped at 0) whatever sequence holds it (an
+                    empty sequence gets its predecessor's state): the mistakes of a kernel that numbers sequences
+                    by their tokens and finds a sequence's end as the token before the next one's start.
   A tuple plants several (``group_and_padding_bugs``: two causes in one kernel).
 - `Slow`: a toy kernel with a planted bug whose every run first sleeps: a divergence that minimizes slowly.
 - `ToyMixer`: the fused mixer around the same scan; ``bug="norm_whole_dim"`` normalizes over all of dim
@@ -73,7 +84,10 @@ from ssdiff.truth.chunked import process_dt
 from ssdiff.truth.mixer import conv_vectorized, norm_vectorized
 
 BUGS = (None, "group_index", "no_reset", "partial_mask", "row_leak", "drop_initial_states", "offset_wrap",
-        "padding_leak")
+        "empty_sequence", "strided_offset_wrap", "padding_leak")
+# Where the "strided_offset_wrap" double's 32-bit element offsets overflow: 2**31, as on a GPU; a test lowers it
+# to a small case's size (below every contiguous x the CPU search draws, above many strided ones).
+STRIDED_WRAP = 2 ** 31
 STAGES = ("dt", "dA_cumsum", "chunk_states", "passed_states", "CB", "scan", "skip", "gated", "y")
 
 
@@ -177,14 +191,15 @@ class ToyKernel(_Float32Implementation):
         self.bug, self.bugs = bug, frozenset(bugs)
         self.name = f"double.toy{''.join('.' + b for b in bugs)}"
         self.description = f"toy chunked float32 SSD{' with planted bugs: ' + ', '.join(bugs) if bugs else ''}"
-        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}),
-                                         unsupported=frozenset({"varlen_states"}), stages=STAGES)
+        self.capabilities = Capabilities(dtypes=frozenset({"float32", "float16", "bfloat16"}), stages=STAGES)
 
     def compute(self, case, t, inputs):
         # Each batch row on its own, as a kernel's programs compute it, so that the double is batch-invariant bit
         # for bit on every device (torch's batched products on a GPU choose their algorithm by the batch size).
         if "offset_wrap" in self.bugs:
             t = dict(t, x=_wrapped(t["x"]))
+        if "strided_offset_wrap" in self.bugs:
+            t = dict(t, x=_strided_wrapped(t["x"], inputs))
         rows = []
         for r in range(t["x"].shape[0]):
             row = {k: (v[r:r + 1] if k in _BATCH_LEADING and v is not None else v) for k, v in t.items()}
@@ -193,7 +208,8 @@ class ToyKernel(_Float32Implementation):
                                  dt_softplus=case.dt_softplus, dt_limit=case.dt_limit_or_default,
                                  initial_states=None if "drop_initial_states" in self.bugs else
                                  row.get("initial_states"),
-                                 seq_idx=None if inputs.seq_idx is None else inputs.seq_idx[r:r + 1], bug=self.bug))
+                                 seq_idx=None if inputs.seq_idx is None else
+                                 self._seq_idx(case, inputs.seq_idx[r:r + 1]), bug=self.bug))
         y, final = (torch.cat([row[i] for row in rows]) for i in (0, 1))
         stages = {name: torch.cat([row[2][name] for row in rows]) for name in rows[0][2]}
         if "row_leak" in self.bugs and y.shape[0] > 1:
@@ -201,8 +217,58 @@ class ToyKernel(_Float32Implementation):
         outputs = {"y": y}
         if case.return_final_states:
             outputs["final_states"] = final
+        if case.varlen_states:
+            outputs["varlen_states"] = self._varlen_states(case, t, inputs)
         stages["y"] = y
         return outputs, stages
+
+    def _seq_idx(self, case, seq_idx):
+        """The row's seq_idx as the scan sees it: as given, or (the planted bug) renumbered densely from
+        seq_idx_start, as if built from the row's non-empty sequences alone."""
+        if "empty_sequence" not in self.bugs:
+            return seq_idx
+        numbers = sorted(set(seq_idx[seq_idx >= 0].tolist()))
+        dense = {old: case.seq_idx_start + rank for rank, old in enumerate(numbers)}
+        return torch.tensor([[dense.get(v, -1) for v in seq_idx[0].tolist()]], dtype=seq_idx.dtype,
+                            device=seq_idx.device)
+
+    def _varlen_states(self, case, t, inputs):
+        """One state per sequence of the (batch-1) row: the final state of the scan over the tokens up to the
+        sequence's last, or for an empty sequence the state it starts from (the planted bug reads token
+        cu_seqlens[i + 1] - 1 there too)."""
+        cu = inputs.cu_seqlens.tolist()
+        h0 = t.get("initial_states")
+        out = []
+        for i, (start, end) in enumerate(zip(cu, cu[1:])):
+            if end == start and "empty_sequence" not in self.bugs:
+                first = h0 is not None and case.seq_idx_start + i == 0
+                out.append(h0[0] if first else t["x"].new_zeros(case.nheads, case.headdim, case.dstate))
+                continue
+            last = max(end - 1, 0)                              # a masked load's offset, clamped at the start
+            cut = {k: (v[:, :last + 1] if k in _BATCH_LEADING and k != "initial_states" and v is not None else v)
+                   for k, v in t.items()}
+            _, state, _ = toy_scan(cut["x"], cut["dt"], cut["A"], cut["B"], cut["C"], chunk_size=case.chunk_size,
+                                   dt_bias=cut.get("dt_bias"), dt_softplus=case.dt_softplus,
+                                   dt_limit=case.dt_limit_or_default, initial_states=h0,
+                                   seq_idx=self._seq_idx(case, inputs.seq_idx[:, :last + 1]))
+            out.append(state[0])
+        return torch.stack(out)
+
+
+def _strided_wrapped(x: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """x as the "strided_offset_wrap" double reads it (see the module docstring): the case's native x (a view
+    of the wide tensor when the layout is strided) indexed through its own strides, offsets past STRIDED_WRAP
+    moved back by STRIDED_WRAP."""
+    native = inputs.native(dtypes={name: torch.float32 for name in inputs.dtypes})["x"].detach()
+    storage = torch.empty(0, dtype=torch.float32, device=native.device).set_(native.untyped_storage())
+    offsets = native.storage_offset() + sum(
+        torch.arange(size, device=native.device).reshape([-1 if d == i else 1 for d in range(native.dim())]) * stride
+        for i, (size, stride) in enumerate(zip(native.shape, native.stride())))
+    wrapped = offsets >= STRIDED_WRAP
+    if not bool(wrapped.any()):
+        return x
+    read = storage[torch.where(wrapped, offsets - STRIDED_WRAP, offsets)]
+    return x + (read - x).detach()
 
 
 class Slow(ToyKernel):
@@ -572,6 +638,8 @@ initial_states_bug = ToyKernel("drop_initial_states")
 offset_wrap_bug = ToyKernel("offset_wrap")
 group_and_padding_bugs = ToyKernel(("group_index", "padding_leak"))
 slow_group_bug = Slow()
+empty_sequence_bug = ToyKernel("empty_sequence")
+strided_offset_wrap_bug = ToyKernel("strided_offset_wrap")
 mixer = ToyMixer()
 mixer_norm_bug = ToyMixer("norm_whole_dim")
 layer = ToyLayer()

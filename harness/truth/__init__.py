@@ -52,11 +52,17 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
             ngroups=case.ngroups, dstate=case.dstate, d_nonssm=case.d_nonssm, seq_idx=seq_idx,
             dt_limit=case.dt_limit_or_default, rmsnorm_eps=case.rmsnorm_eps, norm_before_gate=case.norm_before_gate)
     if case.entry == "chunk_scan":
-        return scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
-                    chunk_size=case.chunk_size, D=tensors.get("D"), z=tensors.get("z"),
-                    dt_bias=tensors.get("dt_bias"), dt_softplus=case.dt_softplus,
-                    dt_limit=case.dt_limit_or_default, initial_states=tensors.get("initial_states"),
-                    seq_idx=seq_idx)
+        res = scan(tensors["x"], tensors["dt"], tensors["A"], tensors["B"], tensors["C"],
+                   chunk_size=case.chunk_size, D=tensors.get("D"), z=tensors.get("z"),
+                   dt_bias=tensors.get("dt_bias"), dt_softplus=case.dt_softplus,
+                   dt_limit=case.dt_limit_or_default, initial_states=tensors.get("initial_states"),
+                   seq_idx=seq_idx)
+        if case.segments is not None and case.batch == 1 and 0 in case.segments[0]:
+            h0 = tensors.get("initial_states")
+            zeros = torch.zeros(case.nheads, case.headdim, case.dstate, dtype=torch.float64, device=tensors["A"].device)
+            res.outputs["varlen_states"] = with_empty_sequences(case, res.outputs["varlen_states"],
+                                                                None if h0 is None else h0[0], zeros)
+        return res
     return mixer.mixer(
         scan, MIXER_STYLE[name], tensors["zxbcdt"], tensors["conv1d_weight"], tensors["conv1d_bias"],
         tensors["dt_bias"], tensors["A"], tensors["D"], chunk_size=case.chunk_size, nheads=case.nheads,
@@ -65,6 +71,19 @@ def call(name: str, case: Case, tensors: dict, seq_idx: Optional[torch.Tensor]) 
         activation=case.activation, rmsnorm_weight=tensors.get("rmsnorm_weight"), rmsnorm_eps=case.rmsnorm_eps,
         outproj_weight=tensors.get("outproj_weight"), outproj_bias=tensors.get("outproj_bias"),
         norm_before_gate=case.norm_before_gate)
+
+
+def with_empty_sequences(case: Case, ends: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                         zeros: torch.Tensor) -> torch.Tensor:
+    """The varlen states of every sequence of ``case``'s row, empty ones included (harness/truth/README.md,
+    "Sequence boundaries"): ``ends`` (..., k, h, p, n), the states after the last token of each non-empty
+    sequence in order (None when there is none), with each empty sequence's state put in its place, the state
+    it starts from: ``initial_state`` (..., h, p, n) for the sequence numbered 0 when there is one, ``zeros``
+    (..., h, p, n) otherwise."""
+    found = iter(ends.unbind(-4) if ends is not None else ())
+    first = lambda i: initial_state is not None and case.seq_idx_start + i == 0
+    return torch.stack([next(found) if length else (initial_state if first(i) else zeros)
+                        for i, length in enumerate(case.segments[0])], dim=-4)
 
 
 def decode(scan, case: Case, tensors: dict) -> Evaluation:
@@ -110,4 +129,4 @@ def ordered_stages(res: Evaluation) -> dict:
 
 
 __all__ = ["ORACLES", "DEFAULT_ORACLE", "Evaluation", "evaluate", "call", "asked_outputs", "ordered_stages",
-           "STAGE_ORDER"]
+           "STAGE_ORDER", "with_empty_sequences"]

@@ -67,7 +67,7 @@ def judged_mask(kind: str, name: str, case: Case, inputs: Inputs, axes: TensorAx
     if kind == "grad":
         return None
     seq = inputs.seq_idx
-    if "token" in axes.names and seq is not None and any(case.padding or ()):    # padding: seq_idx -1
+    if "token" in axes.names and seq is not None and case.padded:    # padding: seq_idx -1
         real = (seq >= 0)                                             # (b, L)
         view = [1] * len(shape)
         view[axes.names.index("batch")] = shape[axes.names.index("batch")]

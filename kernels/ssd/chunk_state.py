@@ -124,7 +124,9 @@ def ssd_fwd_kernel_varlen_states(
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = i_n * BN + tl.arange(0, BN)
     m_p, m_n = o_p < P, o_n < N
-    t_end = tl.load(cu_seqlens + i_s + 1) - 1
+    t_last = tl.load(cu_seqlens + i_s + 1) - 1
+    empty = t_last < tl.load(cu_seqlens + i_s)          # no token: nothing of the pack is its state
+    t_end = tl.maximum(t_last, 0)
     i_c = t_end // Q
     q_end = t_end - i_c * Q
     seq_end = tl.load(seq_idx + t_end.to(tl.int64) * s_seq_l)
@@ -151,6 +153,7 @@ def ssd_fwd_kernel_varlen_states(
     b_H = tl.load(p_H, mask=m_p[:, None] & m_n[None, :], other=0.0)
     carry = tl.where(seq_end == seq_prev, tl.exp(b_cs_end), 0.0)
     b_acc += carry * b_H
+    b_acc = tl.where(empty, 0.0, b_acc)
     p_out = out + i_sh.to(tl.int64) * P * N + o_p[:, None] * N + o_n[None, :]
     tl.store(p_out, b_acc, mask=m_p[:, None] & m_n[None, :])
 
@@ -158,7 +161,10 @@ def ssd_fwd_kernel_varlen_states(
 def ssd_varlen_states_fwd(x, B, dt_out, dA_cumsum, passed_states, seq_idx, cu_seqlens):
     """Batch 1 only. One end state per sequence: (nseq, h, p, n) float32.
 
-    cu_seqlens (nseq + 1,) gives where each sequence ends; membership follows seq_idx (as everywhere)."""
+    cu_seqlens (nseq + 1,) gives where each sequence ends; membership follows seq_idx (as everywhere). An empty
+    sequence (a repeated offset) ends in the state it starts from: the initial state (passed_states' first) for
+    the sequence numbered 0, zeros for any other; cu_seqlens' sequences are numbered on from seq_idx's number of
+    the first non-empty one (from 0 when every one is empty)."""
     b, L, h, p = x.shape
     assert b == 1, "varlen states need batch 1"
     assert seq_idx is not None, "varlen states need seq_idx"
@@ -171,4 +177,10 @@ def ssd_varlen_states_fwd(x, B, dt_out, dA_cumsum, passed_states, seq_idx, cu_se
     ssd_fwd_kernel_varlen_states[lambda m: (nseq * h, triton.cdiv(p, m["BP"]) * triton.cdiv(n, m["BN"]))](
         x, B, dt_out, dA_cumsum, seq_idx, passed_states, cu_seqlens, out, L, h, g, nc, Q, p, n,
         x.stride(1), x.stride(2), x.stride(3), B.stride(1), B.stride(2), B.stride(3), seq_idx.stride(1))
+    bounds = cu_seqlens.tolist()
+    if any(a == b for a, b in zip(bounds, bounds[1:])):
+        full = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+        base = int(seq_idx[0, bounds[full[0]]]) - full[0] if full else 0
+        if 0 <= -base < nseq and bounds[-base] == bounds[1 - base]:
+            out[-base] = passed_states[0, 0].float()
     return out

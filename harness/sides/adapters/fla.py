@@ -49,27 +49,37 @@ def processed_dt(case: Case, dt: torch.Tensor, dt_bias: Optional[torch.Tensor]) 
 class SequencePlan:
     """How a case's seq_idx rows map onto fla's cu_seqlens over the rows laid end to end.
 
-    bounds: token offsets (into b*L); first_of_row: index of each row's first sequence; h0_rows: per
-    sequence, the batch row whose initial state it starts from (or None); real: per sequence, False for a
-    padding run; last_real: per row, index of its last real sequence; padded_rows: rows ending in padding."""
+    bounds: token offsets (into b*L; an empty sequence repeats one); h0_rows: per sequence, the batch row whose
+    initial state it starts from (or None); real: per sequence, False for a padding run (a gap or the trailing
+    padding); last_real: per row, index of its last non-empty real sequence (None where it has none);
+    padded_rows: rows whose last token is padding."""
 
     def __init__(self, case: Case):
         L = case.seqlen
         padding = case.padding or (0,) * case.batch
         self.bounds, self.h0_rows, self.real, self.last_real, self.padded_rows = [0], [], [], [], []
         for row, (lengths, pad) in enumerate(zip(case.segments, padding)):
-            start = row * L
-            for k, length in enumerate(lengths):
+            start, last, ends_in_padding = row * L, None, False
+            gaps = (0, *case.gaps[row]) if case.gaps is not None else (0,) * len(lengths)
+            for k, (length, gap) in enumerate(zip(lengths, gaps)):
+                if gap:
+                    self._run(start + gap, None, False)
+                    start, ends_in_padding = start + gap, True
                 start += length
-                self.bounds.append(start)
-                self.h0_rows.append(row if (k == 0 and case.seq_idx_start == 0) else None)
-                self.real.append(True)
-            self.last_real.append(len(self.real) - 1)
+                self._run(start, row if (k == 0 and case.seq_idx_start == 0) else None, True)
+                if length:
+                    last, ends_in_padding = len(self.real) - 1, False
+            self.last_real.append(last)
             if pad:
-                self.bounds.append(start + pad)
-                self.h0_rows.append(None)
-                self.real.append(False)
+                self._run(start + pad, None, False)
+                ends_in_padding = True
+            if ends_in_padding:
                 self.padded_rows.append(row)
+
+    def _run(self, end: int, h0_row: Optional[int], real: bool):
+        self.bounds.append(end)
+        self.h0_rows.append(h0_row)
+        self.real.append(real)
 
     def cu_seqlens(self, device) -> torch.Tensor:
         return torch.tensor(self.bounds, dtype=torch.long, device=device)

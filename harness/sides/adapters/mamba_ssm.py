@@ -57,7 +57,7 @@ conv_channels_8 = limit(lambda c: c.conv_channels % 8 != 0,
 def padding_limits(rel: upstream.MambaRelease) -> tuple:
     """A release before seq_idx = -1 padding cannot express padded rows."""
     why = rel.padding_reason()
-    return (limit(lambda c: bool(c.padding and any(c.padding)), why),) if why else ()
+    return (limit(lambda c: c.padded, why),) if why else ()
 
 
 class MambaImplementation(Implementation):

@@ -127,7 +127,7 @@ class ChunkedPrefill(ChunkScanCombinedVarlen):
                 offset += p.length
                 final[i] = states2[k]
         outputs = {"y": y}
-        last_of_row = [max(i for i, p in enumerate(seqs) if p.row == row) for row in range(case.batch)]
+        last_of_row = [max(i for i, p in enumerate(seqs) if p.row == row and p.length) for row in range(case.batch)]
         if case.return_final_states:
             outputs["final_states"] = final[last_of_row]
         if case.varlen_states:
@@ -173,9 +173,10 @@ def intermediate_states(rel, case: Case, tensors: dict) -> tuple:
 
 def neighbour_mismatches(rel, case: Case, tensors: dict, empty_computed: int = 0,
                          run: Callable = run_varlen) -> list:
-    """Each sequence of ``case`` run alone, in the case's pack, and with an empty request before it (``empty_
-    computed`` tokens already computed: an unaligned count gives it a zero-length chunk) and one after; the
-    outputs (y over its tokens and its final state) that differ from the alone run, as one line each."""
+    """Each non-empty sequence of ``case`` run alone, in the case's pack (its empty sequences included), and with
+    an empty request before it (``empty_computed`` tokens already computed: an unaligned count gives it a
+    zero-length chunk) and one after; the outputs (y over its tokens and its final state) that differ from the
+    alone run, as one line each."""
     seqs = sequences(case)
     h0 = sequence_initial_states(case, tensors)
     h, p, n = case.nheads, case.headdim, case.dstate
@@ -200,6 +201,8 @@ def neighbour_mismatches(rel, case: Case, tensors: dict, empty_computed: int = 0
     problems = []
     empty = Piece(row=0, start=0, length=0, computed=empty_computed)
     for i, piece in enumerate(seqs):
+        if not piece.length:
+            continue        # no token to run alone (its returned state: vllm-varlen-empty-sequence-state)
         alone_y, alone_final = runs([piece], h0[i:i + 1])
         beside = [empty, piece, empty]
         beside_y, beside_final = runs(beside, torch.cat([garbage, h0[i:i + 1], garbage]))

@@ -18,7 +18,7 @@ from ssdiff.model.case import Case, Regime
 from ssdiff.sides.registry import register
 from ssdiff.model.evaluation import Evaluation
 from ssdiff.model.bounds import Bounds
-from ssdiff.sides.base import Capabilities, Domain, Implementation, Pinned, Testing
+from ssdiff.sides.base import Capabilities, Domain, Implementation, Pinned, Testing, limit
 from ssdiff.inputs import Inputs
 from ssdiff.kernels.ssd import configs as kernel_configs
 
@@ -31,6 +31,11 @@ def _domain(bounds: Bounds, entry: str, examples: tuple, native: tuple) -> Domai
     n = kernel_configs.max_configs()
     return Domain(interpreted=bounds, native=bounds, entries=(entry,), examples=examples, native_examples=native,
                   grows_with_profile=True, configs=(n, n), program_budget=None)
+
+
+unnumbered = limit(lambda c: c.varlen_states and c.initial_states and c.seq_idx_start > 0 and not any(c.segments[0]),
+                   "varlen states of empty sequences alone: an all -1 seq_idx does not number them, so the kernel "
+                   "numbers cu_seqlens' sequences from 0")
 
 
 TESTING = Testing(
@@ -76,6 +81,11 @@ TESTING = Testing(
                     rmsnorm=True, norm_before_gate=False, d_nonssm=3, out_dim=5, outproj_bias=True,
                     initial_states=True, segments=((6, 7), (13,)), pass_="backward", final_state_grad=True),
                     config=2),
+        # once failed: an empty sequence's varlen state read at the token before it (its predecessor's state)
+        Pinned(Case(seqlen=10, segments=((0, 4, 0, 6),), initial_states=True, varlen_states=True), config=0),
+        # padding between sequences, an empty sequence and a row of empty sequences only, through the backward
+        Pinned(Case(batch=2, seqlen=12, chunk_size=4, segments=((3, 0, 5), (0, 0)), gaps=((1, 3), (0,)),
+                    padding=(0, 12), initial_states=True, pass_="backward"), config=1),
     ),
     stages=True,
 )
@@ -91,7 +101,7 @@ class SsdiffTriton(Implementation):
         return Capabilities(entries=frozenset({"chunk_scan", "split_conv1d"}),
                             dtypes=frozenset(runtime.runnable_dtypes()),
                             devices=runtime.kernel_devices() or frozenset({"cuda"}),
-                            backward=True, stages=("conv",) + SCAN_STAGES + ("normed", "y"))
+                            backward=True, stages=("conv",) + SCAN_STAGES + ("normed", "y"), limits=(unnumbered,))
 
     def unavailable(self) -> Optional[str]:
         return runtime.no_triton_reason()

@@ -64,7 +64,8 @@ def pack(case: Case, tensors: dict, computed: Optional[Sequence[int]] = None) ->
         first_of_row.append(len(lengths))
         lengths.extend(segs)
         rows.extend([row] * len(segs))
-        last_of_row.append(len(lengths) - 1)
+        # the row's final state is its last non-empty sequence's (an empty one after it adds no token)
+        last_of_row.append(max(i for i, n in enumerate(lengths) if n and rows[i] == row))
     packed = {name: _packed(tensors[name]) for name in ("x", "dt", "B", "C", "z") if name in tensors}
     for name in ("A", "D", "dt_bias"):
         if name in tensors:
@@ -157,7 +158,7 @@ class ChunkScanCombinedVarlen(VllmImplementation):
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.declared(unsupported=frozenset({"padding"}))
+        return self.declared(unsupported=frozenset({"padding", "gaps"}))
 
     def forward(self, case, tensors, inputs, want_stages):
         p = pack(case, tensors)
